@@ -1,0 +1,443 @@
+"""The kvtether wire contract: headers, hints, reuse outcomes, session API and control messages.
+
+This is the one module that the client session layer, the router and the vLLM connector all
+import. Everything here is public and versioned by ``PROTOCOL_VERSION``; change it only in
+backward-compatible ways (new optional fields, new miss causes) unless the version changes.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "HEADER_CONVERSATION_ID",
+    "CONVERSATION_ID_HEADER_ALIASES",
+    "BODY_CONVERSATION_ID",
+    "HEADER_HINTS",
+    "BODY_HINTS",
+    "HEADER_REUSE",
+    "HEADER_REUSED_TOKENS",
+    "HEADER_PROMPT_TOKENS",
+    "HEADER_TURN",
+    "HEADER_DECODE_INSTANCE",
+    "HEADER_SALVAGED_TOKENS",
+    "KVTETHER_BODY_FIELDS",
+    "Phase",
+    "MissCause",
+    "ReuseOutcome",
+    "TurnHints",
+    "HeartbeatRequest",
+    "HeartbeatResponse",
+    "TurnRecord",
+    "SessionStatus",
+    "ErrorBody",
+    "error_body",
+    "parse_reuse_header",
+    "format_reuse_header",
+    "parse_hints_header",
+    "block_hashes",
+    "matching_prefix_tokens",
+    "tail_block_hash",
+    "CONTROL_API_PREFIX",
+    "KV_PARAM_HANDLE_KEY",
+    "KV_PARAM_LEASE_TTL_S",
+    "KV_PARAM_LEASE_KEY",
+    "KV_PARAM_BLOCK_SIZE",
+    "KV_PARAM_BLOCK_HASHES",
+    "KV_PARAM_TAIL_HASH",
+    "KV_PARAM_REMOTE_TOKENS",
+    "KV_PARAM_PREFIX_MATCH_TOKENS",
+    "KV_PARAM_PREFIX_BREAK",
+    "KV_PARAM_REUSED_TOKENS",
+    "KV_PARAM_PULL",
+    "PREFILL_READ_MARGIN_S",
+    "LeaseState",
+    "PullOutcome",
+    "LeaseRenewRequest",
+    "LeaseInfo",
+    "LeaseTotals",
+    "LeaseList",
+    "HandleResponse",
+    "ConnectorStatus",
+]
+
+PROTOCOL_VERSION = "1"
+
+# --- request side -------------------------------------------------------------------------
+HEADER_CONVERSATION_ID = "X-Conversation-Id"
+# Accepted as aliases, in this order of precedence after X-Conversation-Id.
+CONVERSATION_ID_HEADER_ALIASES = ("X-Session-Id",)
+# What vLLM's own multi-turn benchmark sends in the JSON body.
+BODY_CONVERSATION_ID = "conversation_id"
+
+# Hints travel either as a JSON object in this header or as this body field.
+HEADER_HINTS = "X-KVTether-Hints"
+BODY_HINTS = "kvtether_hints"
+
+# Body fields that belong to kvtether and are stripped before a request reaches vLLM.
+KVTETHER_BODY_FIELDS = (BODY_CONVERSATION_ID, BODY_HINTS)
+
+# --- response side ------------------------------------------------------------------------
+HEADER_REUSE = "X-KVTether-Reuse"  # "fired" or "miss:<cause>"
+HEADER_REUSED_TOKENS = "X-KVTether-Reused-Tokens"  # tokens read from decode-held KV
+HEADER_PROMPT_TOKENS = "X-KVTether-Prompt-Tokens"
+HEADER_TURN = "X-KVTether-Turn"  # 1-based turn index within the conversation
+HEADER_DECODE_INSTANCE = "X-KVTether-Decode-Instance"
+HEADER_SALVAGED_TOKENS = "X-KVTether-Salvaged-Tokens"  # with miss:prefix_break
+
+MAX_CONVERSATION_ID_LEN = 256
+
+
+class Phase(str, enum.Enum):
+    """What the agent is doing between model calls."""
+
+    THINKING = "thinking"
+    TOOL_RUNNING = "tool_running"
+    IDLE = "idle"
+    FINAL = "final"
+
+
+class MissCause(str, enum.Enum):
+    """Why a turn did not read the conversation's decode-held KV."""
+
+    FIRST_TURN = "first_turn"
+    NO_CONVERSATION_ID = "no_conversation_id"
+    BELOW_THRESHOLD = "below_threshold"
+    PREFIX_BREAK = "prefix_break"
+    LEASE_EXPIRED = "lease_expired"
+    RELEASED = "released"
+    EVICTED = "evicted"
+    DECODE_UNAVAILABLE = "decode_unavailable"
+    TRANSFER_FAILED = "transfer_failed"
+    NOT_RETAINED = "not_retained"  # previous turn left no handle (e.g. aborted, or error)
+
+
+class ReuseOutcome(BaseModel):
+    """The outcome of one turn: reuse fired, or a miss with its cause."""
+
+    model_config = ConfigDict(frozen=True)
+
+    fired: bool
+    cause: MissCause | None = None
+    reused_tokens: int = 0
+
+    @classmethod
+    def hit(cls, reused_tokens: int) -> ReuseOutcome:
+        return cls(fired=True, reused_tokens=reused_tokens)
+
+    @classmethod
+    def miss(cls, cause: MissCause, reused_tokens: int = 0) -> ReuseOutcome:
+        return cls(fired=False, cause=cause, reused_tokens=reused_tokens)
+
+    @property
+    def label(self) -> str:
+        return format_reuse_header(self)
+
+
+def format_reuse_header(outcome: ReuseOutcome) -> str:
+    if outcome.fired:
+        return "fired"
+    assert outcome.cause is not None
+    return f"miss:{outcome.cause.value}"
+
+
+def parse_reuse_header(value: str | None, reused_tokens: str | None = None) -> ReuseOutcome | None:
+    """Parse ``X-KVTether-Reuse`` (and the reused-tokens header); ``None`` if absent or foreign."""
+    if not value:
+        return None
+    tokens = int(reused_tokens) if reused_tokens and reused_tokens.isdigit() else 0
+    if value == "fired":
+        return ReuseOutcome.hit(tokens)
+    if value.startswith("miss:"):
+        try:
+            return ReuseOutcome.miss(MissCause(value[5:]), tokens)
+        except ValueError:
+            return None
+    return None
+
+
+NonNegInt = Annotated[int, Field(ge=0)]
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TurnHints(_Strict):
+    """Optional client hints about what comes after this turn.
+
+    The router uses them to size the initial lease and to decide whether retaining the KV is
+    worth it at all (a ``final`` turn is not retained).
+    """
+
+    next_prompt_tokens: NonNegInt | None = Field(
+        default=None, description="Expected prompt tokens of the next turn."
+    )
+    next_turn_gap_s: NonNegFloat | None = Field(
+        default=None, description="Expected seconds until the next turn arrives."
+    )
+    phase: Phase | None = Field(default=None, description="What the agent does next.")
+
+
+def parse_hints_header(value: str) -> TurnHints:
+    """Parse the ``X-KVTether-Hints`` header; raises ``ValueError`` with a readable message."""
+    try:
+        data = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{HEADER_HINTS} must be a JSON object: {exc.msg}") from None
+    try:
+        return TurnHints.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"invalid {HEADER_HINTS}: {_first_error(exc)}") from None
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "body"
+    return f"{loc}: {err['msg']}"
+
+
+# --- session API --------------------------------------------------------------------------
+class HeartbeatRequest(_Strict):
+    """Body of ``POST /v1/sessions/{id}/heartbeat``. All fields optional; ``{}`` renews."""
+
+    phase: Phase = Phase.TOOL_RUNNING
+    tool_name: str | None = Field(default=None, max_length=200)
+    expected_duration_s: NonNegFloat | None = Field(
+        default=None, description="How much longer the current tool is expected to run."
+    )
+    lease_extension_s: NonNegFloat | None = Field(
+        default=None, description="Ask for this lease length; capped by the router's maximum."
+    )
+    next_prompt_tokens: NonNegInt | None = Field(
+        default=None,
+        description="Expected prompt tokens of the turn after the tool (as in TurnHints).",
+    )
+
+
+class HeartbeatResponse(BaseModel):
+    conversation_id: str
+    lease_deadline_unix_s: float
+    lease_remaining_s: float
+    retained_tokens: int
+
+
+class TurnRecord(BaseModel):
+    """One turn as the router saw it."""
+
+    turn: int
+    outcome: str  # header form: "fired" / "miss:<cause>"
+    reused_tokens: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    stream: bool = False
+    prefill_instance: str | None = None
+    decode_instance: str | None = None
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    started_unix_s: float = 0.0
+
+
+class SessionStatus(BaseModel):
+    """Body of ``GET /v1/sessions/{id}``."""
+
+    conversation_id: str
+    decode_instance: str | None
+    retained_tokens: int
+    lease_deadline_unix_s: float | None
+    lease_state: Literal["active", "none", "expired", "released", "evicted"]
+    lease_key: str | None = None  # the lease on the decode instance's kvtether connector
+    turns: list[TurnRecord]
+
+
+# --- errors -------------------------------------------------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI-style error body."""
+
+    error: ErrorDetail
+
+
+def error_body(message: str, type_: str, *, param: str | None = None, code: Any = None) -> dict:
+    return ErrorBody(error=ErrorDetail(message=message, type=type_, param=param, code=code)).model_dump()
+
+
+# --- prefix identity ----------------------------------------------------------------------
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[str]:
+    """Chained hashes of each full block of ``token_ids``: equal hash i ⇔ equal first i+1 blocks."""
+    out: list[str] = []
+    prev = b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        h = hashlib.blake2b(prev, digest_size=16)
+        h.update(",".join(map(str, token_ids[start : start + block_size])).encode())
+        prev = h.digest()
+        out.append(prev.hex())
+    return out
+
+
+def matching_prefix_tokens(cached: Sequence[int], prompt: Sequence[int], block_size: int) -> int:
+    """Tokens of ``cached`` that ``prompt`` repeats exactly, rounded down to whole blocks.
+
+    Never more than ``len(prompt) - 1``: the last prompt token must be computed to sample from.
+    """
+    n = min(len(cached), len(prompt) - 1)
+    i = 0
+    while i < n and cached[i] == prompt[i]:
+        i += 1
+    return (i // block_size) * block_size
+
+
+def tail_block_hash(token_ids: Sequence[int], block_size: int) -> str | None:
+    """Hash of the trailing partial block of ``token_ids``, chained on its full blocks.
+
+    ``None`` when ``len(token_ids)`` is a multiple of ``block_size`` (no partial block).
+    Equal tail hashes mean equal ``token_ids`` (the chain covers every earlier block).
+    """
+    n_full = len(token_ids) // block_size
+    if len(token_ids) == n_full * block_size:
+        return None
+    chain = block_hashes(token_ids[: n_full * block_size], block_size)
+    h = hashlib.blake2b(bytes.fromhex(chain[-1]) if chain else b"", digest_size=16)
+    # A distinct separator keeps a tail from ever colliding with a full block's hash.
+    h.update(b"tail:" + ",".join(map(str, token_ids[n_full * block_size :])).encode())
+    return h.hexdigest()
+
+
+# --- connector control channel --------------------------------------------------------------
+# The kvtether vLLM connector (``kvtether.connector.nixl``) serves this HTTP API from each
+# vLLM instance's engine-core process, on ``kv_connector_extra_config.kvtether_control_port``:
+#
+#   GET    /kvtether/v1/status                  ConnectorStatus
+#   GET    /kvtether/v1/leases                  LeaseList
+#   GET    /kvtether/v1/leases/{key}            LeaseInfo
+#   POST   /kvtether/v1/leases/{key}/renew      LeaseRenewRequest -> LeaseInfo
+#   DELETE /kvtether/v1/leases/{key}            LeaseInfo (state "released" once freed)
+#   GET    /kvtether/v1/handles/{key}?wait_s=5  HandleResponse (long-poll until published)
+#   GET    /kvtether/v1/metrics                 Prometheus text
+#
+# Errors use ``ErrorBody``; for a lease or handle that ended, 410 with ``error.code`` = the
+# ``LeaseState`` and a ``lease`` field holding the final ``LeaseInfo``.
+CONTROL_API_PREFIX = "/kvtether/v1"
+
+# Keys kvtether adds to vLLM's ``kv_transfer_params`` (vLLM passes unknown keys through).
+KV_PARAM_HANDLE_KEY = "kvtether_handle_key"  # router -> D: publish the handle under this key
+KV_PARAM_LEASE_TTL_S = "kvtether_lease_ttl_s"  # router -> D: initial lease length
+KV_PARAM_LEASE_KEY = "kvtether_lease_key"  # D -> router: the key to renew / release
+KV_PARAM_BLOCK_SIZE = "kvtether_block_size"  # D -> P: block size the hashes are over
+KV_PARAM_BLOCK_HASHES = "kvtether_block_hashes"  # D -> P: block_hashes() of retained tokens
+KV_PARAM_TAIL_HASH = "kvtether_tail_hash"  # D -> P: tail_block_hash() of retained tokens
+KV_PARAM_REMOTE_TOKENS = "kvtether_remote_tokens"  # P -> router: tokens D offered
+KV_PARAM_PREFIX_MATCH_TOKENS = "kvtether_prefix_match_tokens"  # P: offered tokens repeated
+KV_PARAM_PREFIX_BREAK = "kvtether_prefix_break"  # P: the prompt differs from D's sequence
+KV_PARAM_REUSED_TOKENS = "kvtether_reused_tokens"  # P: tokens actually read from D
+KV_PARAM_PULL = "kvtether_pull"  # P: a PullOutcome value
+
+# vLLM's prefill side declines to read a handle whose expiry is this close (seconds).
+PREFILL_READ_MARGIN_S = 5.0
+
+
+class LeaseState(str, enum.Enum):
+    """Where a lease on decode-held KV stands."""
+
+    ACTIVE = "active"  # blocks retained, deadline in the future
+    RELEASING = "releasing"  # release or eviction asked; blocks freed within one engine step
+    CONSUMED = "consumed"  # a prefill read the handle (or skipped it): decode freed the blocks
+    RELEASED = "released"  # freed by DELETE
+    EXPIRED = "expired"  # freed because the deadline passed
+    EVICTED = "evicted"  # freed to stay under kvtether_max_retained_tokens
+    NOT_RETAINED = "not_retained"  # the turn ended without retaining KV (aborted, error, ...)
+
+
+class PullOutcome(str, enum.Enum):
+    """What a prefill instance did with a decode handle it was given."""
+
+    PULLED = "pulled"  # read kvtether_reused_tokens tokens from decode
+    LOCAL_HIT = "local_hit"  # its own prefix cache already held what decode offered
+    BELOW_THRESHOLD = "below_threshold"  # fewer new tokens than kv_recompute_threshold
+    NO_MATCH = "no_match"  # the prompt's first block differs from decode's sequence
+    FAILED = "failed"  # the read was declined (lease near expiry) or failed; recomputed
+
+
+class LeaseRenewRequest(_Strict):
+    """Body of ``POST /kvtether/v1/leases/{key}/renew``: new deadline = now + ``ttl_s``."""
+
+    ttl_s: float = Field(gt=0, allow_inf_nan=False, description="Seconds from now.")
+
+
+class LeaseInfo(BaseModel):
+    """One lease on decode-held KV. Times: unix seconds, and decode's perf_counter clock."""
+
+    key: str
+    request_id: str
+    state: LeaseState
+    retained_blocks: int
+    retained_tokens: int
+    deadline_unix_s: float
+    remaining_s: float
+    # Decode's time.perf_counter() domain: what vLLM's prefill compares (after its handshake
+    # clock offset). Forward a handle with this value, never an older one.
+    remote_blocks_expiry_time: float
+    renewals: int = 0
+    created_unix_s: float
+    ended_unix_s: float | None = None
+
+
+class LeaseTotals(BaseModel):
+    active_leases: int
+    retained_blocks: int
+    retained_tokens: int
+
+
+class LeaseList(BaseModel):
+    """Body of ``GET /kvtether/v1/leases``."""
+
+    leases: list[LeaseInfo]
+    recently_ended: list[LeaseInfo]
+    totals: LeaseTotals
+    unix_time: float
+    perf_counter: float
+
+
+class HandleResponse(BaseModel):
+    """Body of ``GET /kvtether/v1/handles/{key}``.
+
+    ``kv_transfer_params`` is the dict to pass to the next turn's prefill as its
+    ``kv_transfer_params``, with ``remote_blocks_expiry_time`` set to the current deadline.
+    """
+
+    key: str
+    lease: LeaseInfo
+    kv_transfer_params: dict[str, Any]
+
+
+class ConnectorStatus(BaseModel):
+    """Body of ``GET /kvtether/v1/status``."""
+
+    protocol_version: str = PROTOCOL_VERSION
+    engine_id: str
+    role: str | None = None
+    vllm_version: str
+    block_size: int
+    default_lease_ttl_s: float
+    max_lease_ttl_s: float
+    max_retained_tokens: int | None = None
+    read_margin_s: float = PREFILL_READ_MARGIN_S
+    totals: LeaseTotals
+    counters: dict[str, int]
+    # Read together: deadline_perf - perf_counter = seconds left, in decode's clock.
+    unix_time: float
+    perf_counter: float

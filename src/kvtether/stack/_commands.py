@@ -1,0 +1,197 @@
+"""Command lines for every process the stack starts.
+
+The launcher decides *what* runs where (an :class:`InstancePlan`: role, ports, URLs); a
+:class:`CommandBuilder` decides *how* (argv and env). :class:`VllmCommands` is the real one;
+tests inject a builder that starts a fake server instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvtether.stack._state import Role
+from kvtether.stack.models import tool_call_args
+from kvtether.stack.settings import StackSettings
+
+__all__ = ["InstancePlan", "Command", "CommandBuilder", "VllmCommands", "kv_transfer_config"]
+
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# The kvtether connector keeps upstream's class name: some vLLM code checks for it by name.
+KVTETHER_CONNECTOR_MODULE = "kvtether.connector.nixl"
+
+
+@dataclass(frozen=True)
+class InstancePlan:
+    """Where one process runs and what it talks to."""
+
+    name: str
+    role: Role
+    host: str
+    port: int
+    log_path: Path
+    model_dir: Path | None = None
+    served_model_name: str | None = None
+    side_channel_port: int | None = None
+    control_port: int | None = None
+    gpu_id: int | None = None
+    gpu_memory_utilization: float | None = None  # this instance's share of its GPU
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    prefill_control_urls: tuple[str, ...] = ()
+    decode_control_urls: tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Command:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class CommandBuilder(Protocol):
+    """Turns a plan into a command line. ``role`` says which kind of process it is."""
+
+    def command(self, plan: InstancePlan, settings: StackSettings) -> Command: ...
+
+
+def kv_transfer_config(plan: InstancePlan, settings: StackSettings) -> dict[str, Any]:
+    """vLLM ``--kv-transfer-config`` for a P/D instance (both roles run ``kv_both``)."""
+    extra: dict[str, Any] = {
+        "bidirectional_kv_xfer": True,
+        "kv_recompute_threshold": settings.kv_recompute_threshold_tokens,
+        "decoder_kv_blocks_ttl": _number(settings.decoder_kv_blocks_ttl_s),
+    }
+    if settings.device == "cpu":
+        # P holds a turn's KV until D reads it, under upstream's 30 s lease; a slow first
+        # NIXL handshake on a busy CPU box can outlast that, and D would read freed blocks.
+        extra["kv_lease_duration"] = 120
+    config: dict[str, Any] = {"kv_connector": "NixlConnector"}
+    if settings.connector == "kvtether":
+        config["kv_connector_module_path"] = KVTETHER_CONNECTOR_MODULE
+        extra.update(
+            kvtether_role=plan.role,
+            kvtether_lease_ttl_s=_number(settings.lease_ttl_s),
+            kvtether_control_port=plan.control_port,
+        )
+    config.update(
+        kv_role="kv_both",
+        kv_buffer_device=settings.kv_buffer_device,
+        kv_load_failure_policy=settings.kv_load_failure_policy,
+        kv_connector_extra_config=extra,
+    )
+    return config
+
+
+def _number(value: float) -> int | float:
+    return int(value) if float(value).is_integer() else value
+
+
+class VllmCommands:
+    """Real processes: ``python -m vllm.entrypoints.openai.api_server`` and ``kvtether router``."""
+
+    def __init__(self, python: str = sys.executable) -> None:
+        self.python = python
+
+    def command(self, plan: InstancePlan, settings: StackSettings) -> Command:
+        if plan.role == "router":
+            return self._router(plan, settings)
+        return self._vllm(plan, settings)
+
+    def _vllm(self, plan: InstancePlan, settings: StackSettings) -> Command:
+        assert plan.model_dir is not None and plan.served_model_name is not None
+        argv = [
+            self.python,
+            "-m",
+            VLLM_SERVER_MODULE,
+            "--model",
+            str(plan.model_dir),
+            "--served-model-name",
+            plan.served_model_name,
+            "--host",
+            plan.host,
+            "--port",
+            str(plan.port),
+            "--dtype",
+            settings.dtype,
+            "--block-size",
+            str(settings.block_size_tokens),
+            "--max-model-len",
+            str(settings.max_model_len_tokens),
+        ]
+        if settings.enforce_eager:
+            argv.append("--enforce-eager")
+        argv += tool_call_args(plan.model_dir)
+        if plan.gpu_memory_utilization is not None:
+            argv += ["--gpu-memory-utilization", str(plan.gpu_memory_utilization)]
+        env = {"PYTHONUNBUFFERED": "1"}
+        if settings.device == "cpu" and "VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT" not in os.environ:
+            # vLLM fails a request (500) whose chat template takes over 30 s to render; a
+            # loaded 2-core machine got there in CI.
+            env["VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT"] = "300"
+        if settings.kv_cache_space_gib is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_space_gib)
+        if plan.gpu_id is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(plan.gpu_id)
+        if settings.device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vLLM's CPU workers spin their OpenMP threads; P and D on the same cores starve
+            # each other (measured: a 35 s KV read instead of ~10 ms). One core each; the
+            # reference shares prefill-0's, which idles between requests (D's never does while
+            # it holds KV).
+            cores = os.cpu_count() or 1
+            index = 0 if plan.role == "reference" else plan.port - settings.base_port
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(index % cores)
+        if plan.role == "reference":
+            # The correctness reference: one colocated engine, no transfer, no prefix cache.
+            argv.append("--no-enable-prefix-caching")
+        else:
+            config = kv_transfer_config(plan, settings)
+            argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = plan.host
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(plan.side_channel_port)
+            if settings.connector == "kvtether" and plan.control_port is not None:
+                env["KVTETHER_CONTROL_PORT"] = str(plan.control_port)
+        return Command(argv + list(settings.extra_vllm_args), env)
+
+    def _router(self, plan: InstancePlan, settings: StackSettings) -> Command:
+        values = router_values(plan, settings)
+        argv = [self.python, "-m", "kvtether", "router"]
+        for name, value in values.items():
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, (list, tuple)):
+                argv += [flag, json.dumps(list(value))]
+            elif value is not None:
+                argv += [flag, str(value)]
+        return Command(argv, {"PYTHONUNBUFFERED": "1"})
+
+
+def router_values(plan: InstancePlan, settings: StackSettings) -> dict[str, Any]:
+    """RouterSettings values for this stack: only fields RouterSettings actually has."""
+    from kvtether.router.settings import RouterSettings
+
+    values: dict[str, Any] = {
+        "host": plan.host,
+        "port": plan.port,
+        "prefill_urls": list(plan.prefill_urls),
+        "decode_urls": list(plan.decode_urls),
+        "prefill_control_urls": list(plan.prefill_control_urls),
+        "decode_control_urls": list(plan.decode_control_urls),
+        "kv_block_size_tokens": settings.block_size_tokens,
+    }
+    # Settings both models share keep their name (lease_ttl_s, max_retained_tokens, ...).
+    stack_values = settings.model_dump()
+    for name in RouterSettings.model_fields:
+        if name not in values and name in stack_values and name not in _STACK_ONLY:
+            values[name] = stack_values[name]
+    return {k: v for k, v in values.items() if k in RouterSettings.model_fields and v != []}
+
+
+# Same name, different meaning: these stack settings describe the stack, not the router.
+_STACK_ONLY = frozenset({"host", "port", "config", "state_dir", "detach"})

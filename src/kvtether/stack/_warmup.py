@@ -1,0 +1,81 @@
+"""Warm-up: open the NIXL connections before the first user turn needs them.
+
+Each direction of a P/D pair handshakes on its first transfer: decode reads from prefill on a
+conversation's first turn, prefill reads decode-held KV on the next. vLLM 0.32 waits 5 s for a
+handshake reply (hard-coded); a busy CPU instance can miss that, and the turn then recomputes
+(``miss:transfer_failed``). So ``stack up`` runs short throw-away conversations through the
+router until a turn reports ``fired``, which proves both directions work, before it says the
+stack is ready. Best effort: a failure is logged, never fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import httpx
+
+from kvtether import protocol as p
+
+logger = logging.getLogger(__name__)
+
+_USER = "hello there agent please run the tests and read the files"
+
+
+@dataclass
+class WarmUpReport:
+    conversations: int = 0
+    outcomes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def fired(self) -> bool:
+        return "fired" in self.outcomes
+
+
+def warm_up(
+    router_url: str,
+    model: str,
+    *,
+    conversations: int = 1,
+    max_turns: int = 4,
+    timeout_s: float = 300.0,
+    transport: httpx.BaseTransport | None = None,
+) -> WarmUpReport:
+    """Run ``conversations`` short conversations; each stops at its first ``fired`` turn."""
+    report = WarmUpReport()
+    t0 = time.monotonic()
+    with httpx.Client(base_url=router_url, timeout=timeout_s, trust_env=False,
+                      transport=transport) as client:
+        for _ in range(conversations):
+            report.conversations += 1
+            cid = f"kvtether-warmup-{uuid.uuid4().hex[:8]}"
+            try:
+                _converse(client, model, cid, max_turns, report)
+            except (httpx.HTTPError, KeyError, ValueError) as exc:
+                logger.warning("warm-up conversation %s failed: %s", cid, exc)
+            finally:
+                try:
+                    client.delete(f"/v1/sessions/{cid}")
+                except httpx.HTTPError:
+                    pass
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def _converse(client: httpx.Client, model: str, cid: str, max_turns: int,
+              report: WarmUpReport) -> None:
+    messages = [{"role": "user", "content": _USER}]
+    for _ in range(max_turns):
+        r = client.post("/v1/chat/completions", headers={p.HEADER_CONVERSATION_ID: cid},
+                        json={"model": model, "messages": messages, "max_tokens": 4,
+                              "temperature": 0})
+        r.raise_for_status()
+        outcome = r.headers.get(p.HEADER_REUSE, "")
+        report.outcomes.append(outcome)
+        if outcome == "fired":
+            return
+        messages += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "ok thanks, go on"}]

@@ -1,0 +1,297 @@
+"""Start, watch and stop N prefill + M decode vLLM instances and the kvtether router.
+
+::
+
+    with Stack(StackSettings(profile="cpu-tiny")) as stack:
+        client = openai.OpenAI(base_url=stack.router_url + "/v1", api_key="-")
+
+``kvtether stack up|status|down`` is this module driven by the CLI; the state file lets a
+second shell find and stop a stack that another process started.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from kvtether.stack import _procs
+from kvtether.stack._commands import CommandBuilder, InstancePlan, VllmCommands
+from kvtether.stack._control import (
+    InstanceStatus,
+    stack_down,
+    stack_status,
+    status_of,
+    stop_records,
+)
+from kvtether.stack._errors import ConfigError, PortInUseError, StackAlreadyRunningError, StackError
+from kvtether.stack._health import Starting, wait_healthy
+from kvtether.stack._reference import start_reference_vllm
+from kvtether.stack._state import (
+    ProcessRecord,
+    Role,
+    StackState,
+    load_state,
+    remove_state,
+    save_state,
+)
+from kvtether.stack._warmup import WarmUpReport, warm_up
+from kvtether.stack.settings import StackSettings, resolve_model
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "InstanceStatus",
+    "Stack",
+    "resolve_model",
+    "stack_down",
+    "stack_status",
+    "start_reference_vllm",
+]
+
+
+class Stack:
+    """A P/D deployment owned by this process: ``up()`` starts it, ``down()`` stops it.
+
+    - ``commands``: how each process is launched (default: real vLLM and ``kvtether router``);
+      tests pass a builder that starts fakes.
+    - ``progress``: show a live line per process while waiting for ``/health`` (rich).
+    - ``die_with_parent``: the kernel SIGTERMs each instance if the *thread* that called
+      ``up()`` dies without calling ``down()`` (e.g. SIGKILL). Use it from a main thread only,
+      and never for a stack that should outlive this process.
+    - ``owner_stops_on_sigterm``: this process stops the stack on SIGTERM (the foreground
+      CLI does), so ``stack down`` from another shell asks it first instead of only stopping
+      the instances under it.
+    """
+
+    def __init__(
+        self,
+        settings: StackSettings | None = None,
+        *,
+        commands: CommandBuilder | None = None,
+        progress: bool = False,
+        console: Any = None,
+        die_with_parent: bool = False,
+        owner_stops_on_sigterm: bool = False,
+    ) -> None:
+        self.settings = settings or StackSettings()
+        self.commands = commands or VllmCommands()
+        self.progress = progress
+        self.console = console
+        self.die_with_parent = die_with_parent
+        self.owner_stops_on_sigterm = owner_stops_on_sigterm
+        self.state_dir = Path(self.settings.state_dir)
+        self.state: StackState | None = None
+        self._plans: list[InstancePlan] = []
+        self._running: list[Starting] = []
+        self.warm_up_report: WarmUpReport | None = None
+
+    # --- public surface ------------------------------------------------------------------
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.settings.host}:{self.settings.port}"
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        return [p.url for p in self._plans if p.role == "prefill"]
+
+    @property
+    def decode_urls(self) -> list[str]:
+        return [p.url for p in self._plans if p.role == "decode"]
+
+    @property
+    def served_model_name(self) -> str:
+        return self.state.served_model_name if self.state else ""
+
+    def __enter__(self) -> Stack:
+        if self.state is None:
+            self.up()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    def up(self, detach: bool | None = None) -> Stack:
+        """Start everything and return once all of it answers ``/health``.
+
+        On any failure (or Ctrl-C) while starting, stops what it started and re-raises.
+        ``detach`` (default: the setting) only marks the stack as meant to outlive this
+        process in the state file; stop it later with :func:`stack_down`.
+        """
+        detach = self.settings.detach if detach is None else detach
+        _claim_state_dir(self.state_dir)
+        model_dir, served = resolve_model(self.settings)
+        self._plans = self._plan(model_dir, served)
+        _check_ports(self.settings.host, self._plans)
+        self.state = StackState(
+            detached=detach,
+            owner_stops_on_sigterm=self.owner_stops_on_sigterm and not detach,
+            owner_create_time=_procs.create_time(os.getpid()),
+            model=str(model_dir),
+            served_model_name=served,
+        )
+        t0 = time.monotonic()
+        try:
+            engines = [p for p in self._plans if p.role != "router"]
+            self._wait([self._spawn(p) for p in engines])
+            if self.settings.start_router:
+                self.state.router_url = self.router_url
+                self._wait([self._spawn(p) for p in self._plans if p.role == "router"])
+                if self.settings.warm_up:
+                    self._warm_up(served)
+        except BaseException:
+            self.down()
+            raise
+        self.state.phase = "running"
+        save_state(self.state_dir, self.state)
+        logger.info("stack healthy after %.1f s (%s)", time.monotonic() - t0, self.router_url)
+        return self
+
+    def wait(self, poll_s: float = 1.0) -> ProcessRecord:
+        """Block until one of the stack's processes exits; return its record."""
+        while True:
+            for proc, record in zip(self._running, self._records(), strict=True):
+                if proc.popen.poll() is not None:
+                    return record
+            time.sleep(poll_s)
+
+    def down(self) -> list[int]:
+        """Stop everything this stack started; return pids that survived (should be none)."""
+        if self.state is None:
+            return []
+        with _procs.signals_deferred():
+            survivors = stop_records(self._records(), self.settings.stop_timeout_s)
+            remove_state(self.state_dir)
+        self._running.clear()
+        self.state = None
+        if survivors:
+            raise StackError(f"processes survived shutdown: {survivors}; kill them by hand")
+        return survivors
+
+    def status(self) -> list[InstanceStatus]:
+        return status_of(self._records())
+
+    # --- internals -----------------------------------------------------------------------
+    def _records(self) -> list[ProcessRecord]:
+        return list(self.state.processes) if self.state else []
+
+    def _plan(self, model_dir: Path, served: str) -> list[InstancePlan]:
+        s = self.settings
+        logs = self.state_dir / "logs"
+        plans: list[InstancePlan] = []
+        roles: list[tuple[Role, int]] = [("prefill", i) for i in range(s.prefill)]
+        roles += [("decode", i) for i in range(s.decode)]
+        gpu_share = _gpu_share(s)
+        for index, (role, i) in enumerate(roles):
+            plans.append(
+                InstancePlan(
+                    name=f"{role}-{i}",
+                    role=role,
+                    host=s.host,
+                    port=s.vllm_port(index),
+                    log_path=logs / f"{role}-{i}.log",
+                    model_dir=model_dir,
+                    served_model_name=served,
+                    side_channel_port=s.side_channel_port(index),
+                    control_port=s.control_port(index) if s.connector == "kvtether" else None,
+                    gpu_id=s.gpu_ids[index % len(s.gpu_ids)] if s.gpu_ids else None,
+                    gpu_memory_utilization=gpu_share,
+                )
+            )
+        if s.start_router:
+            controls: dict[str, list[str]] = {"prefill": [], "decode": []}
+            for p in plans:
+                if p.control_port is not None:
+                    controls[p.role].append(f"http://{s.host}:{p.control_port}")
+            plans.append(
+                InstancePlan(
+                    name="router",
+                    role="router",
+                    host=s.host,
+                    port=s.port,
+                    log_path=logs / "router.log",
+                    prefill_urls=tuple(p.url for p in plans if p.role == "prefill"),
+                    decode_urls=tuple(p.url for p in plans if p.role == "decode"),
+                    prefill_control_urls=tuple(controls["prefill"]),
+                    decode_control_urls=tuple(controls["decode"]),
+                )
+            )
+        return plans
+
+    def _spawn(self, plan: InstancePlan) -> Starting:
+        assert self.state is not None
+        cmd = self.commands.command(plan, self.settings)
+        logger.debug("starting %s: %s", plan.name, " ".join(cmd.argv))
+        popen = _procs.spawn(cmd.argv, cmd.env, plan.log_path, die_with_parent=self.die_with_parent)
+        started = Starting(plan.name, plan.url, plan.log_path, popen)
+        self._running.append(started)
+        self.state.processes.append(
+            ProcessRecord(
+                name=plan.name,
+                role=plan.role,
+                url=plan.url,
+                port=plan.port,
+                pid=popen.pid,
+                create_time=_procs.create_time(popen.pid),
+                log_path=plan.log_path,
+                side_channel_port=plan.side_channel_port,
+                control_port=plan.control_port,
+            )
+        )
+        # Record each pid as soon as it exists: `stack down` from another shell works mid-start.
+        save_state(self.state_dir, self.state)
+        return started
+
+    def _warm_up(self, served: str) -> None:
+        s = self.settings
+        report = warm_up(self.router_url, served, conversations=s.prefill * s.decode,
+                         timeout_s=s.health_timeout_s)
+        self.warm_up_report = report
+        outcomes = ", ".join(report.outcomes) or "no turn answered"
+        if report.fired:
+            logger.info("warm-up: KV reuse fired after %.1f s (%s)", report.seconds, outcomes)
+        else:
+            logger.warning("warm-up: no turn reused KV in %.1f s (%s); first turns may "
+                           "recompute (see the instance logs)", report.seconds, outcomes)
+
+    def _wait(self, procs: list[Starting]) -> None:
+        timeout_s = self.settings.health_timeout_s
+        wait_healthy(procs, timeout_s, progress=self.progress, console=self.console)
+
+
+def _gpu_share(settings: StackSettings) -> float | None:
+    """Each instance's --gpu-memory-utilization when several share one GPU."""
+    if settings.gpu_memory_utilization is None:
+        return None
+    gpus = max(1, len(settings.gpu_ids))
+    per_gpu = -(-settings.instance_count // gpus)  # ceil
+    return round(settings.gpu_memory_utilization / per_gpu, 3)
+
+
+def _claim_state_dir(state_dir: Path) -> None:
+    state = load_state(state_dir)
+    if state is None:
+        return
+    if any(_procs.is_alive(p.pid, p.create_time) for p in state.processes):
+        raise StackAlreadyRunningError(state_dir)
+    logger.info("removing stale state file of a stack that is gone (%s)", state_dir)
+    remove_state(state_dir)
+
+
+def _check_ports(host: str, plans: list[InstancePlan]) -> None:
+    wanted: list[tuple[int, str]] = []
+    for p in plans:
+        wanted.append((p.port, f"{p.name} HTTP"))
+        if p.side_channel_port is not None:
+            wanted.append((p.side_channel_port, f"{p.name} NIXL side channel"))
+        if p.control_port is not None:
+            wanted.append((p.control_port, f"{p.name} kvtether control"))
+    seen: dict[int, str] = {}
+    for port, purpose in wanted:
+        if port in seen:
+            raise ConfigError(f"port {port} is assigned twice ({seen[port]} and {purpose})")
+        seen[port] = purpose
+        if _procs.port_in_use(host, port):
+            raise PortInUseError(host, port, purpose)

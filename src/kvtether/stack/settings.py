@@ -1,0 +1,236 @@
+"""Stack settings: one model for CLI flags, ``KVTETHER_*`` env vars and a config file.
+
+Precedence, highest first: init kwargs / CLI flags > env vars > config file (``--config`` or
+``KVTETHER_CONFIG``; TOML or YAML, flat keys named like the fields) > the profile's preset
+(:mod:`kvtether.stack.profiles`) > field defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, create_model, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from kvtether.stack._errors import ConfigError
+from kvtether.stack.profiles import DEFAULT_PROFILE, ProfileName, profile_defaults
+
+__all__ = [
+    "ConnectorKind",
+    "StackSettings",
+    "StackSettingsBase",
+    "default_state_dir",
+    "resolve_model",
+    "stack_settings_subset",
+]
+
+ConnectorKind = Literal["nixl", "kvtether"]
+ENV_PREFIX = "KVTETHER_"
+
+
+def default_state_dir() -> Path:
+    """``$KVTETHER_HOME/stack`` if set, else ``.kvtether/stack`` under the working directory."""
+    home = os.environ.get("KVTETHER_HOME")
+    return (Path(home) if home else Path.cwd() / ".kvtether") / "stack"
+
+
+def _preset(description: str) -> Any:
+    """A device-specific field: no default of its own, the chosen profile always supplies it."""
+    return Field(default=None, description=f"{description} (default: from --profile)")
+
+
+class StackSettingsBase(BaseSettings):
+    """Sources shared by :class:`StackSettings` and its subsets: init > env > config file."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        extra="forbid",
+        validate_default=False,
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, ConfigFileSource(settings_cls))
+
+
+class StackSettings(StackSettingsBase):
+    """How to run N prefill + M decode vLLM instances and the kvtether router."""
+
+    config: Path | None = Field(default=None, description="TOML or YAML file with stack settings")
+    profile: ProfileName = Field(default=DEFAULT_PROFILE, description="named preset of settings")
+    prefill: int = Field(default=1, ge=1, le=64, description="number of prefill instances")
+    decode: int = Field(default=1, ge=1, le=64, description="number of decode instances")
+    model: Path | None = Field(
+        default=None, description="model directory (default: the profile's prepared model)"
+    )
+    served_model_name: str | None = Field(
+        default=None, description="model name clients use (default: the prepared model's name)"
+    )
+    host: str = Field(default="127.0.0.1", description="interface every process binds to")
+    port: int = Field(default=8000, ge=1, le=65535, description="router port")
+    base_port: int = Field(default=8100, ge=1, le=65535, description="vLLM instance i: base+i")
+    side_channel_base_port: int = Field(
+        default=5600, ge=1, le=65535, description="NIXL side channel of instance i: base+stride*i"
+    )
+    side_channel_stride: int = Field(default=10, ge=1, description="port gap between instances")
+    control_base_port: int = Field(
+        default=5900, ge=1, le=65535, description="kvtether connector control of instance i: base+i"
+    )
+
+    # Device-specific: defaults come from the profile only.
+    device: Literal["cpu", "cuda"] = _preset("device vLLM runs on")
+    prepared_model: Literal["tiny", "smol"] = _preset("model prepared when --model is not given")
+    dtype: str = _preset("vLLM --dtype")
+    enforce_eager: bool = _preset("vLLM --enforce-eager")
+    block_size_tokens: int = _preset("vLLM KV block size")
+    max_model_len_tokens: int = _preset("vLLM --max-model-len")
+    kv_cache_space_gib: int | None = _preset("CPU KV cache GiB (VLLM_CPU_KVCACHE_SPACE)")
+    kv_buffer_device: Literal["cpu", "cuda"] = _preset("NIXL kv_buffer_device")
+    gpu_memory_utilization: float | None = _preset("vLLM --gpu-memory-utilization")
+    gpu_ids: list[int] = Field(
+        default_factory=list, description="GPUs to spread instances over (CUDA_VISIBLE_DEVICES)"
+    )
+
+    kv_recompute_threshold_tokens: int = Field(
+        default=16, ge=0, description="below this many reusable tokens prefill recomputes"
+    )
+    decoder_kv_blocks_ttl_s: float = Field(
+        default=480.0, gt=0, description="how long decode retains KV without a lease"
+    )
+    kv_load_failure_policy: Literal["recompute", "fail"] = Field(
+        default="recompute", description="what vLLM does when a KV read fails"
+    )
+    lease_ttl_s: float = Field(default=60.0, gt=0, description="initial lease on retained KV")
+    max_retained_tokens: int | None = Field(
+        default=None, ge=0, description="cap on retained KV tokens per decode instance"
+    )
+    connector: ConnectorKind = Field(
+        default="nixl", description="'nixl' (upstream NixlConnector) or 'kvtether'"
+    )
+
+    health_timeout_s: float = Field(default=300.0, gt=0, description="wait this long for /health")
+    stop_timeout_s: float = Field(default=15.0, gt=0, description="SIGTERM grace before SIGKILL")
+    state_dir: Path = Field(
+        default_factory=default_state_dir, description="where stack.json and logs/ go"
+    )
+    detach: bool = Field(default=False, description="return once healthy, leave the stack running")
+    start_router: bool = Field(default=True, description="also start the kvtether router")
+    warm_up: bool = Field(
+        default=True,
+        description="once healthy, run throw-away turns until one reuses KV (opens NIXL links)",
+    )
+    extra_vllm_args: list[str] = Field(
+        default_factory=list, description="appended to every vLLM command line"
+    )
+
+    @model_validator(mode="after")
+    def _apply_profile(self) -> StackSettings:
+        # Fill what no source set from the profile, without marking it as set: a settings
+        # object re-validated with another profile (or dumped with exclude_unset) keeps only
+        # what someone actually chose.
+        for name, value in profile_defaults(self.profile).items():
+            if name not in self.model_fields_set:
+                self.__dict__[name] = value
+        return self
+
+    # --- derived values ------------------------------------------------------------------
+    @property
+    def instance_count(self) -> int:
+        return self.prefill + self.decode
+
+    def vllm_port(self, index: int) -> int:
+        """Port of instance ``index`` (prefills first, then decodes)."""
+        return self.base_port + index
+
+    def side_channel_port(self, index: int) -> int:
+        return self.side_channel_base_port + self.side_channel_stride * index
+
+    def control_port(self, index: int) -> int:
+        return self.control_base_port + index
+
+
+def resolve_model(settings: StackSettings) -> tuple[Path, str]:
+    """The model directory to serve and the name clients use for it."""
+    if settings.model is None:
+        from kvtether.stack.models import prepare_model
+
+        path = prepare_model(settings.prepared_model)
+        return path, settings.served_model_name or settings.prepared_model
+    path = settings.model.expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"model directory {path} has no config.json; prepare one with "
+            f"`kvtether model prepare tiny --out {path}` or pass another --model"
+        )
+    return path, settings.served_model_name or path.name
+
+
+def stack_settings_subset(name: str, fields: tuple[str, ...], doc: str) -> type[StackSettingsBase]:
+    """A settings model with only ``fields`` of :class:`StackSettings` (same env, same file).
+
+    Used for commands that need a few stack settings (``stack down`` needs the state dir): the
+    fields, their defaults and help come from :class:`StackSettings`, never re-declared.
+    """
+    definitions: dict[str, Any] = {
+        f: (StackSettings.model_fields[f].annotation, StackSettings.model_fields[f]) for f in fields
+    }
+    model = create_model(name, __base__=StackSettingsBase, __doc__=doc, **definitions)
+    return model
+
+
+class ConfigFileSource(PydanticBaseSettingsSource):
+    """Reads the file named by ``config`` from a higher-priority source (flag, init or env)."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        raise NotImplementedError  # __call__ reads the whole file at once
+
+    def __call__(self) -> dict[str, Any]:
+        path = self.current_state.get("config")
+        if not path:
+            return {}
+        values = load_config_file(Path(path), set(StackSettings.model_fields))
+        # A subset model (e.g. for `stack down`) reads the same file and keeps what it knows.
+        return {k: v for k, v in values.items() if k in self.settings_cls.model_fields}
+
+
+def load_config_file(path: Path, fields: set[str]) -> dict[str, Any]:
+    """Flat mapping of field name → value from a TOML or YAML file; unknown keys are errors."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                import tomli as tomllib
+
+            data = tomllib.loads(text)
+    except ImportError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.name} is not installed") from None
+    except Exception as exc:  # both parsers raise their own error types
+        raise ConfigError(f"cannot parse config file {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of settings")
+    values = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(values) - fields - {"config"})
+    if unknown:
+        raise ConfigError(f"unknown setting(s) in {path}: {', '.join(unknown)}")
+    values.pop("config", None)
+    return values
