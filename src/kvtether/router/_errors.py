@@ -1,0 +1,40 @@
+"""OpenAI-style error responses of the router."""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+
+from kvtether.protocol import error_body
+
+__all__ = ["RouterHTTPError", "error_response"]
+
+_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    410: "gone_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    502: "upstream_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+class RouterHTTPError(Exception):
+    """Raised inside the router to answer with an OpenAI-style error and status."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def error_response(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    type_ = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return JSONResponse(error_body(message, type_, param=param, code=code), status_code=status)

@@ -1,0 +1,239 @@
+"""The router's HTTP surface: OpenAI-compatible endpoints, the session API, health and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+import httpx
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvtether import protocol as p
+from kvtether.router._errors import RouterHTTPError, error_response
+from kvtether.router.backends import BackendPool
+from kvtether.router.conversations import ConversationStore, InMemoryConversationStore
+from kvtether.router.leases import LeaseClient
+from kvtether.router.metrics import RouterMetrics
+from kvtether.router.sessions import SessionAPI
+from kvtether.router.settings import RouterSettings
+from kvtether.router.turns import TurnRequest, TurnRunner, _UpstreamError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["create_app"]
+
+
+def create_app(
+    settings: RouterSettings,
+    store: ConversationStore | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> Starlette:
+    """Build the router app. ``transport`` replaces the network to the vLLM instances (tests)."""
+    pool = BackendPool(settings, transport)
+    metrics = RouterMetrics()
+    background: set[asyncio.Task] = set()
+
+    def release_dropped(conv) -> None:  # noqa: ANN001
+        if conv.retained is not None:
+            task = asyncio.get_running_loop().create_task(
+                runner.release(conv, p.MissCause.EVICTED)
+            )
+            background.add(task)
+            task.add_done_callback(background.discard)
+
+    store = store or InMemoryConversationStore(settings.max_conversations, release_dropped)
+    leases = LeaseClient()
+    runner = TurnRunner(settings, pool, store, leases, metrics)
+    sessions = SessionAPI(settings, pool, store, leases, metrics, runner)
+    served: dict[str, Any] = {"models": None}
+
+    async def served_models() -> list[str] | None:
+        if served["models"] is None:
+            for b in pool.prefill:
+                try:
+                    r = await b.client.get("/v1/models", timeout=5.0)
+                    if r.status_code == 200:
+                        served["models"] = [m["id"] for m in r.json().get("data", [])]
+                        break
+                except httpx.HTTPError:
+                    continue
+        return served["models"]
+
+    async def completions(request: Request) -> Response:
+        body = await _json_body(request)
+        endpoint = request.url.path
+        if endpoint == "/v1/chat/completions":
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs:
+                raise RouterHTTPError(400, "'messages' must be a non-empty list", param="messages")
+        elif "prompt" not in body:
+            raise RouterHTTPError(400, "'prompt' is required", param="prompt")
+        model = body.get("model")
+        if model is not None:
+            names = await served_models()
+            if names is not None and model not in names:
+                raise RouterHTTPError(
+                    404, f"The model `{model}` does not exist. Served: {', '.join(names)}",
+                    param="model", code="model_not_found",
+                )
+        conversation_id = _conversation_id(request, body)
+        hints = _hints(request, body)
+        for field in p.KVTETHER_BODY_FIELDS:
+            body.pop(field, None)
+        # kv_transfer_params is the router's to set; a client's would bypass the prefix check.
+        body.pop("kv_transfer_params", None)
+        return await runner.run(TurnRequest(endpoint, body, conversation_id, hints))
+
+    async def models(request: Request) -> Response:
+        for b in pool.prefill:
+            try:
+                r = await b.client.get("/v1/models", timeout=5.0)
+            except httpx.HTTPError as exc:
+                b.mark_down(repr(exc))
+                continue
+            return JSONResponse(r.json(), status_code=r.status_code)
+        raise RouterHTTPError(503, "no prefill instance is reachable")
+
+    async def health(request: Request) -> Response:
+        status = await pool.check_health()
+        ok = any(status[b.name] for b in pool.prefill) and any(status[b.name] for b in pool.decode)
+        return JSONResponse(
+            {"status": "ok" if ok else "degraded", "backends": status,
+             "conversations": len(store), "protocol_version": p.PROTOCOL_VERSION},
+            status_code=200 if ok else 503,
+        )
+
+    async def metrics_endpoint(request: Request) -> Response:
+        metrics.conversations.set(len(store))
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def housekeeping() -> None:
+        """Expire lapsed leases every second; probe instance health every few seconds."""
+        tick = 0
+        while True:
+            await asyncio.sleep(1.0)
+            tick += 1
+            try:
+                await sessions.reap_expired(time.time())
+                if tick % 5 == 0:
+                    await pool.check_health()
+            except Exception:  # housekeeping must never die
+                logger.exception("router housekeeping failed")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        task = asyncio.create_task(housekeeping())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await pool.aclose()
+
+    routes = [
+        Route("/v1/chat/completions", completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        *sessions.routes(),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={
+            RouterHTTPError: _counted(_router_error, metrics),
+            HTTPException: _counted(_http_error, metrics),
+            Exception: _counted(_internal_error, metrics),
+        },
+    )
+    app.state.runner = runner
+    app.state.pool = pool
+    app.state.store = store
+    app.state.metrics = metrics
+    return app
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RouterHTTPError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RouterHTTPError(400, "request body must be a JSON object")
+    return body
+
+
+def _conversation_id(request: Request, body: dict[str, Any]) -> str | None:
+    value: Any = request.headers.get(p.HEADER_CONVERSATION_ID)
+    source = p.HEADER_CONVERSATION_ID
+    for alias in p.CONVERSATION_ID_HEADER_ALIASES:
+        if value is None:
+            value, source = request.headers.get(alias), alias
+    if value is None and p.BODY_CONVERSATION_ID in body:
+        value, source = body[p.BODY_CONVERSATION_ID], p.BODY_CONVERSATION_ID
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise RouterHTTPError(400, f"{source} must be a non-empty string", param=source)
+    if len(value) > p.MAX_CONVERSATION_ID_LEN:
+        raise RouterHTTPError(
+            400, f"{source} is longer than {p.MAX_CONVERSATION_ID_LEN} characters", param=source
+        )
+    return value.strip()
+
+
+def _hints(request: Request, body: dict[str, Any]) -> p.TurnHints | None:
+    header = request.headers.get(p.HEADER_HINTS)
+    try:
+        if header is not None:
+            return p.parse_hints_header(header)
+        if p.BODY_HINTS in body:
+            return p.TurnHints.model_validate(body[p.BODY_HINTS])
+    except ValueError as exc:  # ValidationError is a ValueError
+        msg = str(exc) if not isinstance(exc, ValidationError) else _first(exc)
+        raise RouterHTTPError(400, msg, param=p.BODY_HINTS) from None
+    return None
+
+
+def _first(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"])
+    return f"invalid {p.BODY_HINTS}: {loc}: {err['msg']}"
+
+
+def _counted(handler, metrics: RouterMetrics):  # noqa: ANN001, ANN202
+    async def counted(request: Request, exc: Exception) -> Response:
+        response = await handler(request, exc)
+        metrics.errors.labels(str(response.status_code)).inc()
+        return response
+
+    return counted
+
+
+async def _router_error(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, _UpstreamError):
+        return exc.to_response()
+    assert isinstance(exc, RouterHTTPError)
+    return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return error_response(exc.status_code, exc.detail or "request failed")
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(500, f"internal router error: {exc!r}")

@@ -1,0 +1,132 @@
+"""The conversation table: conversation id → decode instance, retained-KV handle, lease, turns.
+
+State sits behind :class:`ConversationStore` so that a shared (e.g. Redis-backed) table can
+replace :class:`InMemoryConversationStore` when several router replicas serve one deployment.
+Turns of one conversation are serialised by a per-conversation lock held by the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvtether.protocol import MissCause, Phase, SessionStatus, TurnRecord
+
+__all__ = ["RetainedKV", "Conversation", "ConversationStore", "InMemoryConversationStore"]
+
+
+@dataclass
+class RetainedKV:
+    """A decode instance's handle on one conversation's KV, as vLLM returned it."""
+
+    decode_instance: str
+    params: dict[str, Any]  # D's kv_transfer_params (single-use: forwarding consumes it)
+    token_ids: list[int]  # the sequence D holds KV for (prompt + output)
+    retained_tokens: int  # D's remote_num_tokens: tokens with computed KV
+    lease_deadline_unix_s: float  # the router's view; never forwarded past it minus a margin
+    handle_key: str | None = None  # key of the lease on the kvtether connector, if any
+    created_unix_s: float = field(default_factory=time.time)
+
+
+@dataclass
+class Conversation:
+    conversation_id: str
+    decode_instance: str | None = None
+    retained: RetainedKV | None = None
+    # Why there is no retained KV right now (released, evicted, expired...), for the next turn.
+    gone_cause: MissCause | None = None
+    turns: list[TurnRecord] = field(default_factory=list)
+    last_active_unix_s: float = field(default_factory=time.time)
+    # Latest client hints (turn hints or heartbeats), used to value the lease.
+    phase: Phase | None = None
+    expected_next_prompt_tokens: int | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
+
+    @property
+    def next_turn(self) -> int:
+        return len(self.turns) + 1
+
+    def lease_state(self, now_unix_s: float) -> str:
+        if self.retained is not None:
+            return "active" if self.retained.lease_deadline_unix_s > now_unix_s else "expired"
+        if self.gone_cause == MissCause.RELEASED:
+            return "released"
+        if self.gone_cause == MissCause.EVICTED:
+            return "evicted"
+        if self.gone_cause == MissCause.LEASE_EXPIRED:
+            return "expired"
+        return "none"
+
+    def status(self, now_unix_s: float | None = None) -> SessionStatus:
+        now = time.time() if now_unix_s is None else now_unix_s
+        r = self.retained
+        return SessionStatus(
+            conversation_id=self.conversation_id,
+            decode_instance=self.decode_instance,
+            retained_tokens=r.retained_tokens if r else 0,
+            lease_deadline_unix_s=r.lease_deadline_unix_s if r else None,
+            lease_state=self.lease_state(now),  # type: ignore[arg-type]
+            lease_key=r.handle_key if r else None,
+            turns=list(self.turns),
+        )
+
+
+class ConversationStore(Protocol):
+    """What the router needs from a conversation table."""
+
+    def get(self, conversation_id: str) -> Conversation | None: ...
+
+    def get_or_create(self, conversation_id: str) -> Conversation: ...
+
+    def delete(self, conversation_id: str) -> Conversation | None: ...
+
+    def values(self) -> list[Conversation]: ...
+
+    def __len__(self) -> int: ...
+
+
+class InMemoryConversationStore:
+    """Single-process table; least-recently-active conversations are dropped past the cap."""
+
+    def __init__(
+        self,
+        max_conversations: int = 100_000,
+        on_drop: Callable[[Conversation], None] | None = None,
+    ) -> None:
+        self._items: OrderedDict[str, Conversation] = OrderedDict()
+        self._max = max_conversations
+        self._on_drop = on_drop  # frees what a dropped conversation still holds
+
+    def get(self, conversation_id: str) -> Conversation | None:
+        conv = self._items.get(conversation_id)
+        if conv is not None:
+            self._items.move_to_end(conversation_id)
+        return conv
+
+    def get_or_create(self, conversation_id: str) -> Conversation:
+        conv = self.get(conversation_id)
+        if conv is None:
+            conv = Conversation(conversation_id)
+            self._items[conversation_id] = conv
+            while len(self._items) > self._max:
+                _, dropped = self._items.popitem(last=False)
+                if dropped.lock.locked():  # in use: keep it, drop the next oldest instead
+                    self._items[dropped.conversation_id] = dropped
+                    self._items.move_to_end(dropped.conversation_id, last=False)
+                    break
+                if self._on_drop is not None:
+                    self._on_drop(dropped)
+        return conv
+
+    def delete(self, conversation_id: str) -> Conversation | None:
+        return self._items.pop(conversation_id, None)
+
+    def values(self) -> list[Conversation]:
+        return list(self._items.values())
+
+    def __len__(self) -> int:
+        return len(self._items)

@@ -1,0 +1,90 @@
+"""Client of the kvtether connector's control channel on each vLLM instance.
+
+Instances without a control URL run the upstream NIXL connector: their KV is held for vLLM's
+fixed ``decoder_kv_blocks_ttl`` and nothing here can renew or release it, so every call is a
+no-op that says so in its return value.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvtether.protocol import LeaseInfo
+from kvtether.router.backends import Backend
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LeaseClient", "RenewResult"]
+
+_PREFIX = "/kvtether/v1"
+
+
+@dataclass(frozen=True)
+class RenewResult:
+    # renewed | gone (D no longer holds it) | unreachable (not renewed; may still be held)
+    # | unsupported (no connector on D: vLLM's fixed TTL applies)
+    status: str
+    lease: LeaseInfo | None = None
+
+
+class LeaseClient:
+    def __init__(self, timeout_s: float = 30.0, handle_wait_s: float = 15.0) -> None:
+        self._timeout_s = timeout_s
+        self._handle_wait_s = handle_wait_s
+
+    async def fetch_handle(self, decode: Backend, key: str | None) -> dict[str, Any] | None:
+        """D's handle for a streamed turn (vLLM does not put it in the stream)."""
+        if not decode.control_url or not key:
+            return None
+        url = f"{decode.control_url}{_PREFIX}/handles/{key}"
+        try:
+            r = await decode.client.get(
+                url,
+                params={"wait_s": self._handle_wait_s},
+                timeout=self._timeout_s + self._handle_wait_s,
+            )
+        except httpx.HTTPError as exc:
+            logger.warning("handle fetch from %s failed: %r", decode.name, exc)
+            return None
+        if r.status_code != 200:
+            logger.info("no handle published on %s for %s (HTTP %s)", decode.name, key, r.status_code)
+            return None
+        return r.json().get("kv_transfer_params") or r.json()
+
+    async def renew(self, decode: Backend, key: str | None, ttl_s: float) -> RenewResult:
+        """Extend the lease on D to now + ``ttl_s``."""
+        if not decode.control_url or not key:
+            return RenewResult("unsupported")
+        try:
+            r = await decode.client.post(
+                f"{decode.control_url}{_PREFIX}/leases/{key}/renew",
+                json={"ttl_s": ttl_s},
+                timeout=self._timeout_s,
+            )
+        except httpx.HTTPError as exc:
+            logger.warning("lease renew on %s failed: %r", decode.name, exc)
+            return RenewResult("unreachable")
+        if r.status_code in (404, 410):
+            return RenewResult("gone")
+        if r.status_code != 200:
+            return RenewResult("unreachable")
+        try:
+            return RenewResult("renewed", LeaseInfo.model_validate(r.json()))
+        except ValueError:
+            return RenewResult("unreachable")
+
+    async def release(self, decode: Backend, key: str | None) -> bool:
+        if not decode.control_url or not key:
+            return False
+        try:
+            r = await decode.client.delete(
+                f"{decode.control_url}{_PREFIX}/leases/{key}", timeout=self._timeout_s
+            )
+        except httpx.HTTPError as exc:
+            logger.warning("lease release on %s failed: %r", decode.name, exc)
+            return False
+        return r.status_code in (200, 204)

@@ -1,0 +1,60 @@
+"""Prometheus metrics of one router (its own registry: several routers may share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["RouterMetrics"]
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.turns = Counter(
+            "kvtether_turns", "Turns routed, by reuse outcome", ["outcome"], registry=r
+        )
+        self.reuse_fired = Counter(
+            "kvtether_reuse_fired", "Turns that read the conversation's retained KV", registry=r
+        )
+        self.reuse_miss = Counter(
+            "kvtether_reuse_miss", "Turns that did not, by cause", ["cause"], registry=r
+        )
+        self.reused_tokens = Counter(
+            "kvtether_reused_tokens", "Prompt tokens not recomputed thanks to reuse", registry=r
+        )
+        self.prompt_tokens = Counter("kvtether_prompt_tokens", "Prompt tokens routed", registry=r)
+        self.errors = Counter(
+            "kvtether_request_errors", "Requests answered with an error", ["status"], registry=r
+        )
+        self.prefill_leg_s = Histogram(
+            "kvtether_prefill_leg_seconds", "Prefill leg latency", buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.ttft_s = Histogram(
+            "kvtether_ttft_seconds", "Time to first token (streamed turns)",
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+        self.conversations = Gauge(
+            "kvtether_conversations", "Conversations in the table", registry=r
+        )
+        self.retained_tokens = Gauge(
+            "kvtether_retained_tokens", "Tokens of KV retained on a decode instance",
+            ["instance"], registry=r,
+        )
+        self.active_leases = Gauge(
+            "kvtether_active_leases", "Conversations holding retained KV", registry=r
+        )
+        self.lease_events = Counter(
+            "kvtether_lease_events",
+            "Lease events: renewed, released, expired, evicted", ["event"], registry=r,
+        )
+        self.heartbeat_s = Histogram(
+            "kvtether_heartbeat_seconds", "Heartbeat handling latency",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5), registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

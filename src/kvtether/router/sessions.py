@@ -1,0 +1,158 @@
+"""The session API: heartbeats renew a conversation's lease, DELETE releases it, GET shows it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvtether import protocol as p
+from kvtether.router._errors import RouterHTTPError
+from kvtether.router.backends import BackendPool
+from kvtether.router.conversations import Conversation, ConversationStore
+from kvtether.router.leases import LeaseClient
+from kvtether.router.metrics import RouterMetrics
+from kvtether.router.settings import RouterSettings
+from kvtether.router.turns import TurnRunner
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SessionAPI"]
+
+
+class SessionAPI:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        pool: BackendPool,
+        store: ConversationStore,
+        leases: LeaseClient,
+        metrics: RouterMetrics,
+        runner: TurnRunner,
+    ) -> None:
+        self.s = settings
+        self.pool = pool
+        self.store = store
+        self.leases = leases
+        self.metrics = metrics
+        self.runner = runner
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/sessions/{conversation_id}", self.get, methods=["GET"]),
+            Route("/v1/sessions/{conversation_id}", self.delete, methods=["DELETE"]),
+            Route("/v1/sessions/{conversation_id}/heartbeat", self.heartbeat, methods=["POST"]),
+        ]
+
+    def _conv(self, request: Request) -> Conversation:
+        cid = request.path_params["conversation_id"]
+        conv = self.store.get(cid)
+        if conv is None:
+            raise RouterHTTPError(404, f"unknown session {cid!r}: no turn has used this id")
+        return conv
+
+    async def get(self, request: Request) -> Response:
+        return JSONResponse(self._conv(request).status().model_dump(mode="json"))
+
+    async def delete(self, request: Request) -> Response:
+        conv = self._conv(request)
+        freed = conv.retained.retained_tokens if conv.retained else 0
+        if conv.retained is not None:
+            self.metrics.lease_events.labels("released").inc()
+        await self.runner.release(conv, p.MissCause.RELEASED)
+        return JSONResponse(
+            {"conversation_id": conv.conversation_id, "released": True,
+             "retained_tokens_freed": freed}
+        )
+
+    async def heartbeat(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        conv = self._conv(request)
+        raw = await request.body()
+        try:
+            hb = p.HeartbeatRequest.model_validate(json.loads(raw) if raw.strip() else {})
+        except json.JSONDecodeError as exc:
+            raise RouterHTTPError(400, f"heartbeat body is not valid JSON: {exc}") from None
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"]) or "body"
+            raise RouterHTTPError(400, f"invalid heartbeat: {loc}: {err['msg']}", param=loc) from None
+
+        now = time.time()
+        r = conv.retained
+        if r is None and conv.lock.locked():
+            # A turn is in flight: its answer will create a fresh lease.
+            return self._reply(conv, now + self.s.lease_ttl_s, 0, t0)
+        if r is not None and r.lease_deadline_unix_s <= now:
+            await self.expire(conv)
+            r = None
+        if r is None:
+            state = conv.lease_state(now)
+            raise RouterHTTPError(
+                410, f"session {conv.conversation_id!r} holds no KV (lease {state}); "
+                     "its next turn recomputes", code=f"lease_{state}",
+            )
+        ttl = self._ttl(hb)
+        decode = self.pool.by_name(r.decode_instance)
+        result = await self.leases.renew(decode, r.handle_key, ttl) if decode else None
+        status = result.status if result else "gone"
+        if status == "gone":
+            await self.runner.release(conv, p.MissCause.LEASE_EXPIRED)
+            raise RouterHTTPError(410, f"session {conv.conversation_id!r}: the decode instance "
+                                       "no longer holds its KV", code="lease_expired")
+        if status == "unreachable":
+            raise RouterHTTPError(503, f"session {conv.conversation_id!r}: decode instance "
+                                       f"{r.decode_instance} did not answer; lease not renewed",
+                                  code="decode_unavailable")
+        if status == "renewed" and result is not None and result.lease is not None:
+            r.lease_deadline_unix_s = result.lease.deadline_unix_s
+            # Forward the renewed deadline (in D's clock) with the handle, or P declines it.
+            r.params["remote_blocks_expiry_time"] = result.lease.remote_blocks_expiry_time
+        else:
+            # Upstream connector: vLLM's fixed TTL cannot be extended.
+            r.lease_deadline_unix_s = min(
+                max(r.lease_deadline_unix_s, now + ttl),
+                r.created_unix_s + self.s.decoder_kv_blocks_ttl_s,
+            )
+        if hb.next_prompt_tokens is not None:
+            conv.expected_next_prompt_tokens = hb.next_prompt_tokens
+        conv.last_active_unix_s = now
+        conv.phase = hb.phase
+        self.metrics.lease_events.labels("renewed").inc()
+        return self._reply(conv, r.lease_deadline_unix_s, r.retained_tokens, t0)
+
+    def _ttl(self, hb: p.HeartbeatRequest) -> float:
+        if hb.lease_extension_s is not None:
+            want = hb.lease_extension_s
+        elif hb.expected_duration_s is not None:
+            want = max(self.s.lease_ttl_s, hb.expected_duration_s * 1.5)
+        else:
+            want = self.s.lease_ttl_s
+        if hb.phase in (p.Phase.FINAL, p.Phase.IDLE) and hb.lease_extension_s is None:
+            want = min(want, self.s.lease_ttl_s)
+        return min(want + self.s.lease_safety_margin_s, self.s.max_lease_s)
+
+    def _reply(self, conv: Conversation, deadline: float, tokens: int, t0: float) -> Response:
+        self.metrics.heartbeat_s.observe(time.perf_counter() - t0)
+        body = p.HeartbeatResponse(
+            conversation_id=conv.conversation_id,
+            lease_deadline_unix_s=deadline,
+            lease_remaining_s=max(0.0, deadline - time.time()),
+            retained_tokens=tokens,
+        )
+        return JSONResponse(body.model_dump())
+
+    async def expire(self, conv: Conversation) -> None:
+        self.metrics.lease_events.labels("expired").inc()
+        await self.runner.release(conv, p.MissCause.LEASE_EXPIRED)
+
+    async def reap_expired(self, now: float) -> None:
+        for conv in self.store.values():
+            r = conv.retained
+            if r is not None and r.lease_deadline_unix_s <= now and not conv.lock.locked():
+                await self.expire(conv)
