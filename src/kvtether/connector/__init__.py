@@ -1,0 +1,17 @@
+"""The kvtether vLLM KV connector (loaded inside vLLM; the only package that imports vLLM).
+
+vLLM loads :mod:`kvtether.connector.nixl` through ``kv_connector_module_path``; importing this
+package itself does not import vLLM. Parts:
+
+* ``nixl`` — the connector: vLLM's NIXL pull connector plus leases, handle publication and
+  the prefill-side prefix check (imports vLLM; checks its version first).
+* ``_leases`` — the lease table shared by the engine loop and the control channel.
+* ``_control`` — the HTTP control channel (``/kvtether/v1/...``, see :mod:`kvtether.protocol`).
+* ``_prefix`` — block-hash prefix identity: what decode adds to a handle, what prefill checks.
+* ``_settings`` — ``kvtether_*`` keys of ``kv_connector_extra_config``.
+* ``_compat`` — the one vLLM version this targets.
+"""
+
+from kvtether.connector._compat import TARGET_VLLM_VERSION, VLLMVersionError, check_vllm_version
+
+__all__ = ["TARGET_VLLM_VERSION", "VLLMVersionError", "check_vllm_version"]

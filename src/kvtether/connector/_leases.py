@@ -1,0 +1,371 @@
+"""The lease table: which decode-held KV is retained, for whom, and until when.
+
+Plain Python (no vLLM), shared by two kinds of threads:
+
+* the **engine loop** (vLLM's scheduler, through ``kvtether.connector.nixl``) opens a lease
+  when a turn finishes, applies queued renew / release operations once per step
+  (:meth:`LeaseTable.drain`), and closes a lease when the worker reports its blocks freed
+  (:meth:`LeaseTable.on_freed`);
+* the **control channel**'s HTTP threads read snapshots, long-poll for handles, and queue
+  renew / release operations, waiting until the engine loop has applied them.
+
+All state sits behind one ``threading.Condition``; every method holds it only briefly. Deadlines
+are in the engine-core process's ``time.perf_counter()`` domain, the same clock vLLM stamps
+``remote_blocks_expiry_time`` with and echoes in its NIXL handshake.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtether.protocol import (
+    HandleResponse,
+    LeaseInfo,
+    LeaseList,
+    LeaseState,
+    LeaseTotals,
+    PullOutcome,
+    error_body,
+)
+
+__all__ = ["LeaseTable", "Reply", "COUNTER_NAMES"]
+
+COUNTER_NAMES = (
+    "leases_created",
+    "leases_renewed",
+    "leases_released",
+    "leases_expired",
+    "leases_consumed",
+    "leases_evicted",
+    "handles_published",
+    "handles_not_retained",
+    # Prefill side: what happened to decode handles this instance was given.
+    *(f"pulls_{outcome.value}" for outcome in PullOutcome),
+    "pulled_tokens",
+    "prefix_breaks",
+)
+_END_COUNTER = {
+    LeaseState.RELEASED: "leases_released",
+    LeaseState.EXPIRED: "leases_expired",
+    LeaseState.CONSUMED: "leases_consumed",
+    LeaseState.EVICTED: "leases_evicted",
+}
+_LIVE = (LeaseState.ACTIVE, LeaseState.RELEASING)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An HTTP answer: status code and JSON body."""
+
+    status: int
+    body: dict[str, Any]
+
+
+@dataclass
+class _Lease:
+    key: str
+    request_id: str
+    handle: dict[str, Any]
+    retained_blocks: int
+    retained_tokens: int
+    deadline: float
+    created: float
+    state: LeaseState = LeaseState.ACTIVE
+    end_as: LeaseState | None = None  # final state once a RELEASING lease is freed
+    renewals: int = 0
+    ended: float | None = None
+
+
+@dataclass
+class _Op:
+    kind: str  # "renew" | "release"
+    key: str
+    ttl_s: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)
+    reply: Reply | None = None
+
+
+class LeaseTable:
+    def __init__(
+        self,
+        *,
+        max_lease_ttl_s: float = 86400.0,
+        max_retained_tokens: int | None = None,
+        renew_guard_s: float = 1.0,
+        op_timeout_s: float = 10.0,
+        clock: Callable[[], float] = time.perf_counter,
+        wall: Callable[[], float] = time.time,
+        history: int = 256,
+    ) -> None:
+        self.max_lease_ttl_s = max_lease_ttl_s
+        self.max_retained_tokens = max_retained_tokens
+        self.renew_guard_s = renew_guard_s
+        self.op_timeout_s = op_timeout_s
+        self._clock, self._wall, self._history = clock, wall, history
+        self._cond = threading.Condition()
+        self._live: dict[str, _Lease] = {}
+        self._key_of: dict[str, str] = {}  # request id -> key of its live lease
+        self._ended: OrderedDict[str, _Lease] = OrderedDict()
+        self._ops: list[_Op] = []
+        self._counters: Counter[str] = Counter({name: 0 for name in COUNTER_NAMES})
+
+    # --- engine loop ----------------------------------------------------------------------
+    def open(
+        self,
+        key: str,
+        request_id: str,
+        handle: dict[str, Any],
+        *,
+        retained_blocks: int,
+        retained_tokens: int,
+        ttl_s: float,
+    ) -> dict[str, float]:
+        """Start a lease and publish its handle; returns ``{request_id: deadline}`` to send
+        to the worker (the new lease, plus any lease evicted to make room)."""
+        with self._cond:
+            now = self._clock()
+            self._free_key(key)
+            lease = _Lease(key, request_id, dict(handle), retained_blocks, retained_tokens,
+                           deadline=now + min(ttl_s, self.max_lease_ttl_s), created=now)
+            updates = self._make_room(lease, now)
+            self._live[key] = lease
+            self._key_of[request_id] = key
+            if lease.state is LeaseState.ACTIVE:
+                self._counters["leases_created"] += 1
+                self._counters["handles_published"] += 1
+            else:
+                self._counters["handles_not_retained"] += 1
+            updates[request_id] = lease.deadline
+            self._cond.notify_all()
+            return updates
+
+    def _make_room(self, lease: _Lease, now: float) -> dict[str, float]:
+        cap = self.max_retained_tokens
+        if cap is None:
+            return {}
+        if lease.retained_tokens > cap:  # alone too large: free it at once
+            self._start_release(lease, now, LeaseState.NOT_RETAINED)
+            return {}
+        updates: dict[str, float] = {}
+        held = sum(x.retained_tokens for x in self._live.values() if x.state is LeaseState.ACTIVE)
+        for victim in sorted(self._active(), key=lambda x: x.deadline):
+            if held + lease.retained_tokens <= cap:
+                break
+            self._start_release(victim, now, LeaseState.EVICTED)
+            updates[victim.request_id] = victim.deadline
+            held -= victim.retained_tokens
+        return updates
+
+    def not_retained(self, key: str, request_id: str) -> None:
+        """The turn carrying ``key`` ended without retaining KV: answer waiters with 410."""
+        with self._cond:
+            now = self._clock()
+            self._free_key(key)
+            lease = _Lease(key, request_id, {}, 0, 0, deadline=now, created=now,
+                           state=LeaseState.NOT_RETAINED, ended=now)
+            self._remember(lease)
+            self._counters["handles_not_retained"] += 1
+            self._cond.notify_all()
+
+    def drain(self) -> dict[str, float]:
+        """Apply queued renew / release operations; returns ``{request_id: new deadline}``."""
+        with self._cond:
+            ops, self._ops = self._ops, []
+            updates: dict[str, float] = {}
+            for op in ops:
+                op.reply = self._apply(op, updates)
+                op.done.set()
+            return updates
+
+    def on_freed(self, request_ids: Iterable[str]) -> None:
+        """The worker freed these requests' blocks (``finished_sending``): close their leases."""
+        with self._cond:
+            now = self._clock()
+            for request_id in request_ids:
+                key = self._key_of.pop(request_id, None)
+                if key is None:
+                    continue  # not a lease (e.g. prefill-held blocks a decode read)
+                lease = self._live.pop(key, None)
+                if lease is None:
+                    continue
+                if lease.state is LeaseState.RELEASING:
+                    assert lease.end_as is not None
+                    lease.state = lease.end_as
+                elif now >= lease.deadline:
+                    lease.state = LeaseState.EXPIRED
+                else:
+                    lease.state = LeaseState.CONSUMED
+                lease.ended = now
+                if lease.state in _END_COUNTER:
+                    self._counters[_END_COUNTER[lease.state]] += 1
+                self._remember(lease)
+            self._cond.notify_all()
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._cond:
+            self._counters[name] += n
+
+    # --- control channel ------------------------------------------------------------------
+    def renew(self, key: str, ttl_s: float) -> Reply:
+        return self._submit(_Op("renew", key, ttl_s))
+
+    def release(self, key: str) -> Reply:
+        reply = self._submit(_Op("release", key))
+        if reply.status != 202:
+            return reply
+        end = self._clock() + self.op_timeout_s
+        with self._cond:
+            self._cond.wait_for(lambda: key not in self._live, max(0.0, end - self._clock()))
+            lease = self._ended.get(key)
+            if lease is not None and lease.state is not LeaseState.RELEASING:
+                return Reply(200, self._info(lease).model_dump(mode="json"))
+        return reply
+
+    def handle(self, key: str, wait_s: float) -> Reply:
+        """The published handle for ``key``, waiting up to ``wait_s`` for it to appear."""
+        with self._cond:
+            self._cond.wait_for(lambda: key in self._live or key in self._ended, wait_s)
+            lease = self._live.get(key) or self._ended.get(key)
+            if lease is None:
+                return _error(404, f"no handle published under {key!r}", "not_found")
+            if lease.state is not LeaseState.ACTIVE:
+                return self._gone(lease)
+            params = dict(lease.handle, remote_blocks_expiry_time=lease.deadline)
+            body = HandleResponse(key=key, lease=self._info(lease), kv_transfer_params=params)
+            return Reply(200, body.model_dump(mode="json"))
+
+    def lease(self, key: str) -> Reply:
+        with self._cond:
+            lease = self._live.get(key) or self._ended.get(key)
+            if lease is None:
+                return _error(404, f"no lease {key!r}", "not_found")
+            return Reply(200, self._info(lease).model_dump(mode="json"))
+
+    def leases(self) -> LeaseList:
+        with self._cond:
+            return LeaseList(
+                leases=[self._info(x) for x in self._live.values()],
+                recently_ended=[self._info(x) for x in reversed(self._ended.values())],
+                totals=self._totals(),
+                unix_time=self._wall(),
+                perf_counter=self._clock(),
+            )
+
+    def totals(self) -> LeaseTotals:
+        with self._cond:
+            return self._totals()
+
+    def counters(self) -> dict[str, int]:
+        with self._cond:
+            return dict(self._counters)
+
+    # --- internals (call with the lock held) -----------------------------------------------
+    def _submit(self, op: _Op) -> Reply:
+        with self._cond:
+            lease = self._live.get(op.key)
+            if lease is None or lease.state is not LeaseState.ACTIVE:
+                # Answer now: the engine loop may be idle when nothing is retained.
+                return self._apply(op, {})
+            self._ops.append(op)
+        if op.done.wait(self.op_timeout_s):
+            assert op.reply is not None
+            return op.reply
+        with self._cond:
+            if op in self._ops:
+                self._ops.remove(op)
+                return _error(503, f"the engine loop did not run within {self.op_timeout_s}s; "
+                              "retry", "engine_busy")
+        op.done.wait()
+        assert op.reply is not None
+        return op.reply
+
+    def _apply(self, op: _Op, updates: dict[str, float]) -> Reply:
+        lease = self._live.get(op.key)
+        if lease is None:
+            ended = self._ended.get(op.key)
+            if ended is None:
+                return _error(404, f"no lease {op.key!r}", "not_found")
+            # DELETE is idempotent; renewing a lease that ended is not possible.
+            if op.kind == "release":
+                return Reply(200, self._info(ended).model_dump(mode="json"))
+            return self._gone(ended)
+        now = self._clock()
+        if op.kind == "release":
+            if lease.state is LeaseState.ACTIVE:
+                self._start_release(lease, now, LeaseState.RELEASED)
+                updates[lease.request_id] = lease.deadline
+            return Reply(202, self._info(lease).model_dump(mode="json"))
+        if lease.state is not LeaseState.ACTIVE:
+            return self._gone(lease)
+        if lease.deadline - now < self.renew_guard_s:
+            info = self._info(lease).model_dump(mode="json")
+            return _error(410, f"lease {op.key!r} expires in {lease.deadline - now:.3f}s, too "
+                          "late to renew", "expiring", lease=info)
+        lease.deadline = now + min(op.ttl_s, self.max_lease_ttl_s)
+        lease.renewals += 1
+        self._counters["leases_renewed"] += 1
+        updates[lease.request_id] = lease.deadline
+        return Reply(200, self._info(lease).model_dump(mode="json"))
+
+    def _free_key(self, key: str) -> None:
+        """A reused key belongs to the newest turn; an older live lease keeps its request id."""
+        old = self._live.pop(key, None)
+        if old is not None:
+            old.key = old.request_id
+            self._live[old.key] = old
+            self._key_of[old.request_id] = old.key
+        self._ended.pop(key, None)
+
+    def _start_release(self, lease: _Lease, now: float, end_as: LeaseState) -> None:
+        lease.state, lease.end_as, lease.deadline = LeaseState.RELEASING, end_as, now
+
+    def _active(self) -> list[_Lease]:
+        return [x for x in self._live.values() if x.state is LeaseState.ACTIVE]
+
+    def _remember(self, lease: _Lease) -> None:
+        self._ended[lease.key] = lease
+        self._ended.move_to_end(lease.key)
+        while len(self._ended) > self._history:
+            self._ended.popitem(last=False)
+
+    def _totals(self) -> LeaseTotals:
+        live = list(self._live.values())
+        return LeaseTotals(
+            active_leases=sum(x.state is LeaseState.ACTIVE for x in live),
+            retained_blocks=sum(x.retained_blocks for x in live),
+            retained_tokens=sum(x.retained_tokens for x in live),
+        )
+
+    def _gone(self, lease: _Lease) -> Reply:
+        state = lease.end_as if lease.state is LeaseState.RELEASING else lease.state
+        assert state is not None
+        return _error(410, f"lease {lease.key!r} is {state.value}", state.value,
+                      lease=self._info(lease).model_dump(mode="json"))
+
+    def _info(self, lease: _Lease) -> LeaseInfo:
+        now, wall = self._clock(), self._wall()
+        live = lease.state in _LIVE
+        return LeaseInfo(
+            key=lease.key,
+            request_id=lease.request_id,
+            state=lease.state,
+            retained_blocks=lease.retained_blocks if live else 0,
+            retained_tokens=lease.retained_tokens if live else 0,
+            deadline_unix_s=wall + (lease.deadline - now),
+            remaining_s=max(0.0, lease.deadline - now) if live else 0.0,
+            remote_blocks_expiry_time=lease.deadline,
+            renewals=lease.renewals,
+            created_unix_s=wall + (lease.created - now),
+            ended_unix_s=None if lease.ended is None else wall + (lease.ended - now),
+        )
+
+
+def _error(status: int, message: str, code: str, **extra: Any) -> Reply:
+    body = error_body(message, "kvtether_lease_error", code=code)
+    body.update(extra)
+    return Reply(status, body)

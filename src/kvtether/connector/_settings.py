@@ -1,0 +1,77 @@
+"""Connector settings, read from vLLM's ``kv_connector_extra_config`` (keys ``kvtether_*``).
+
+Upstream keys in the same dict (``bidirectional_kv_xfer``, ``kv_recompute_threshold``,
+``decoder_kv_blocks_ttl``, ...) keep their upstream meaning; the connector reads only its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvtether.errors import ConfigError
+
+__all__ = ["ConnectorSettings", "CONTROL_PORT_ENV"]
+
+# Fallback for the control port when extra_config has none (set by `kvtether stack`).
+CONTROL_PORT_ENV = "KVTETHER_CONTROL_PORT"
+
+
+class ConnectorSettings(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+
+    control_port: int | None = Field(
+        default=None, ge=1, le=65535, alias="kvtether_control_port",
+        description="HTTP control channel port (scheduler role only); none = no listener.",
+    )
+    control_host: str | None = Field(
+        default=None, alias="kvtether_control_host",
+        description="Bind address; default VLLM_NIXL_SIDE_CHANNEL_HOST.",
+    )
+    lease_ttl_s: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False, alias="kvtether_lease_ttl_s",
+        description="Initial lease when the request names none; default decoder_kv_blocks_ttl.",
+    )
+    max_lease_ttl_s: float = Field(
+        default=86400.0, gt=0, allow_inf_nan=False, alias="kvtether_max_lease_ttl_s",
+        description="Cap on any initial or renewed lease.",
+    )
+    max_retained_tokens: int | None = Field(
+        default=None, ge=0, alias="kvtether_max_retained_tokens",
+        description="Evict the leases closest to expiry to keep retained tokens under this.",
+    )
+    renew_guard_s: float = Field(
+        default=1.0, ge=0, allow_inf_nan=False, alias="kvtether_renew_guard_s",
+        description="Refuse renewing a lease with less left than this: the worker may be "
+        "freeing it already (matters with async scheduling, where a step overlaps).",
+    )
+    op_timeout_s: float = Field(
+        default=10.0, gt=0, allow_inf_nan=False, alias="kvtether_op_timeout_s",
+        description="How long renew / release wait for the engine loop to apply them.",
+    )
+    require_block_hashes: bool = Field(
+        default=False, alias="kvtether_require_block_hashes",
+        description="Prefill: do not read decode handles that carry no block hashes.",
+    )
+    role: str | None = Field(default=None, alias="kvtether_role", description="Informational.")
+
+    @classmethod
+    def from_extra_config(
+        cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+    ) -> ConnectorSettings:
+        data = {k: v for k, v in (extra or {}).items() if k.startswith("kvtether_")}
+        env = os.environ if env is None else env
+        if data.get("kvtether_control_port") is None and env.get(CONTROL_PORT_ENV):
+            data["kvtether_control_port"] = env[CONTROL_PORT_ENV]
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            field = ".".join(str(p) for p in err["loc"])
+            raise ConfigError(
+                f"invalid kv_connector_extra_config.{field}: {err['msg']} "
+                f"(got {err.get('input')!r})"
+            ) from None

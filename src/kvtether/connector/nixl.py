@@ -1,0 +1,290 @@
+"""kvtether's vLLM KV connector: vLLM 0.32's NIXL pull connector, plus leases on decode-held
+KV, handle publication for streamed turns, and a prefix check before prefill reads.
+
+Load it on every prefill and decode instance with::
+
+    --kv-transfer-config '{"kv_connector": "NixlConnector",
+        "kv_connector_module_path": "kvtether.connector.nixl", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {
+            "bidirectional_kv_xfer": true, "kvtether_control_port": 5900,
+            "kvtether_lease_ttl_s": 60}}'
+
+vLLM's factory imports ``kv_connector_module_path`` and takes the class named
+``kv_connector`` from it; the class keeps upstream's name because vLLM checks for
+``"NixlConnector"`` by name (``config/vllm.py``, ``platforms/cpu.py``).
+
+Only the scheduler side changes; workers run upstream code. The flow on decode (D):
+
+* ``request_finished``: upstream delays freeing the blocks of a finished turn and puts
+  ``request_id -> perf_counter() + decoder_kv_blocks_ttl`` into ``_reqs_need_send``. kvtether
+  replaces that deadline with the lease's (``kvtether_lease_ttl_s`` from the request's
+  ``kv_transfer_params``, else from extra_config), adds the prefix hashes to the handle, and
+  publishes it under ``kvtether_handle_key`` (else under the request id).
+* ``build_connector_meta`` (once per engine step) first drains the control channel's queued
+  renewals and releases into ``_reqs_need_send``; upstream ships that dict to the worker as
+  ``reqs_to_send`` with ``scheduler_clock``, and the worker *overwrites* its deadline for every
+  request it still holds (rebased onto its clock; unlike the ``HB:`` heartbeat path, which
+  only extends with ``max``). A renewal is a later deadline; a release is ``now``, so the
+  worker's reaper frees the blocks in the same step.
+* The worker reports freed blocks as ``finished_sending`` (P read the handle, the deadline
+  passed, or a release), vLLM frees them, and ``update_connector_output`` closes the lease as
+  consumed, expired or released.
+
+On prefill (P), ``get_num_new_matched_tokens`` checks a decode handle's block hashes against
+the prompt and cuts the handle to the matching whole-block prefix before upstream code reads
+it; P's response ``kv_transfer_params`` report what happened (``kvtether_pull``, ...).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvtether.connector._compat import check_vllm_version
+
+VLLM_VERSION = check_vllm_version()
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (  # noqa: E402
+    NixlBaseConnector,
+    NixlPullConnector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (  # noqa: E402
+    NixlPullConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (  # noqa: E402
+    _KV_BLOCKS_EXPIRY_SAFETY_MARGIN,
+    NixlPullConnectorWorker,
+)
+
+from kvtether.connector._control import ControlServer  # noqa: E402
+from kvtether.connector._leases import LeaseTable  # noqa: E402
+from kvtether.connector._prefix import (  # noqa: E402
+    PullRecord,
+    annotate_handle,
+    decide_prefix,
+    truncate_handle,
+)
+from kvtether.connector._settings import ConnectorSettings  # noqa: E402
+from kvtether.errors import ConfigError  # noqa: E402
+from kvtether.protocol import (  # noqa: E402
+    KV_PARAM_HANDLE_KEY,
+    KV_PARAM_LEASE_KEY,
+    KV_PARAM_LEASE_TTL_S,
+    KV_PARAM_PULL,
+    ConnectorStatus,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["NixlConnector", "KVTetherScheduler", "VLLM_VERSION"]
+
+logger = logging.getLogger(__name__)
+
+
+class KVTetherScheduler(NixlPullConnectorScheduler):
+    """Scheduler side (engine-core process): lease table, control channel, prefix check."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        assert vllm_config.kv_transfer_config is not None
+        self.settings = ConnectorSettings.from_extra_config(
+            vllm_config.kv_transfer_config.kv_connector_extra_config
+        )
+        self.default_lease_ttl_s = float(self.settings.lease_ttl_s or self.decoder_kv_blocks_ttl)
+        self.leases = LeaseTable(
+            max_lease_ttl_s=self.settings.max_lease_ttl_s,
+            max_retained_tokens=self.settings.max_retained_tokens,
+            renew_guard_s=self.settings.renew_guard_s,
+            op_timeout_s=self.settings.op_timeout_s,
+        )
+        self._pulls: dict[str, PullRecord] = {}
+        self._control: ControlServer | None = None
+        if self.settings.control_port is not None:
+            # Like the NIXL side channel: one port per data-parallel rank.
+            port = self.settings.control_port + vllm_config.parallel_config.data_parallel_index
+            host = self.settings.control_host or self.side_channel_host
+            try:
+                self._control = ControlServer(self.leases, self.status, host, port)
+            except OSError as exc:
+                raise ConfigError(
+                    f"kvtether control channel cannot listen on {host}:{port} ({exc}); "
+                    "set kv_connector_extra_config.kvtether_control_port to a free port"
+                ) from exc
+            self._control.start()
+
+    def status(self) -> ConnectorStatus:
+        return ConnectorStatus(
+            engine_id=self.engine_id,
+            role=self.settings.role,
+            vllm_version=VLLM_VERSION,
+            block_size=self.block_size,
+            default_lease_ttl_s=self.default_lease_ttl_s,
+            max_lease_ttl_s=self.settings.max_lease_ttl_s,
+            max_retained_tokens=self.settings.max_retained_tokens,
+            read_margin_s=_KV_BLOCKS_EXPIRY_SAFETY_MARGIN,
+            totals=self.leases.totals(),
+            counters=self.leases.counters(),
+            unix_time=time.time(),
+            perf_counter=time.perf_counter(),
+        )
+
+    # --- prefill side: prefix check before upstream reads a decode handle -------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not _is_decode_handle(params):
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        assert params is not None
+        if params.get("_remote_blocks_processed"):
+            # One read per request. Upstream would offer the handle again after a failed read
+            # (recompute policy) or a preemption, but never start that read: the request
+            # would wait for KV forever, or read blocks decode has freed since.
+            return 0, False
+        record = self._pulls.get(request.request_id)
+        if record is None:
+            decision = decide_prefix(
+                params, request.prompt_token_ids or [],
+                require_hashes=self.settings.require_block_hashes,
+            )
+            record = PullRecord(decision, truncate_handle(params, decision))
+            self._pulls[request.request_id] = record
+            if decision.prefix_break:
+                logger.info(
+                    "request %s: prompt repeats %d of %d decode-held tokens; reusing only those",
+                    request.request_id, decision.match_tokens, decision.remote_tokens,
+                )
+        remote = min(int(params.get("remote_num_tokens") or 0), request.num_prompt_tokens)
+        record.offered_tokens = remote - num_computed_tokens
+        if not record.allowed:
+            return 0, False  # update_state_after_alloc still tells decode to free its blocks
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        record = self._pulls.get(request.request_id)
+        if record is not None and params is not None and not params.get("_remote_blocks_processed"):
+            record.allocated(num_external_tokens)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    # --- decode side: leases and handle publication ----------------------------------------
+    def request_finished(
+        self, request: Request, block_ids: Any
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        record = self._pulls.pop(request.request_id, None)
+        if not params:
+            return super().request_finished(request, block_ids)
+        key = params.get(KV_PARAM_HANDLE_KEY)
+        if not params.get("do_remote_decode") and not params.get("_remote_blocks_processed"):
+            # Upstream would retain this decode request's blocks, but its worker never tracked
+            # it (it never took the remote-prefill path), so they would never be freed.
+            delay, out = super().request_finished(request, block_ids)
+            if delay:
+                self._reqs_need_send.pop(request.request_id, None)
+                logger.warning("request %s: not retaining KV of a request that skipped the "
+                               "P/D path (kv_transfer_params=%s)", request.request_id, params)
+            if key:
+                self.leases.not_retained(str(key), request.request_id)
+            return False, (None if delay else out)
+        delay, out = super().request_finished(request, block_ids)
+        if params.get("do_remote_decode"):  # prefill role: report what was read from decode
+            if out is not None and record is not None:
+                out.update(record.as_params())
+                self._count_pull(record)
+            return delay, out
+        if not delay or out is None:
+            if key:
+                self.leases.not_retained(str(key), request.request_id)
+            return delay, out
+        return delay, self._open_lease(request, out, str(key or request.request_id), params)
+
+    def _open_lease(
+        self, request: Request, handle: dict[str, Any], key: str, params: dict[str, Any]
+    ) -> dict[str, Any]:
+        tokens = int(handle.get("remote_num_tokens") or 0)
+        annotate_handle(handle, request.all_token_ids[:tokens], self.block_size)
+        handle[KV_PARAM_LEASE_KEY] = key
+        updates = self.leases.open(
+            key, request.request_id, handle,
+            retained_blocks=sum(len(group) for group in handle["remote_block_ids"]),
+            retained_tokens=tokens,
+            ttl_s=self._initial_ttl_s(params),
+        )
+        self._reqs_need_send.update(updates)
+        handle["remote_blocks_expiry_time"] = updates[request.request_id]
+        return handle
+
+    def _initial_ttl_s(self, params: dict[str, Any]) -> float:
+        raw = params.get(KV_PARAM_LEASE_TTL_S)
+        if raw is None:
+            return self.default_lease_ttl_s
+        try:
+            ttl = float(raw)
+        except (TypeError, ValueError):
+            ttl = math.nan
+        if not math.isfinite(ttl) or ttl <= 0:
+            logger.warning("ignoring %s=%r (want seconds > 0); using %.1fs",
+                           KV_PARAM_LEASE_TTL_S, raw, self.default_lease_ttl_s)
+            return self.default_lease_ttl_s
+        return ttl
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        # Renewed deadlines and releases ride upstream's reqs_to_send to the worker.
+        self._reqs_need_send.update(self.leases.drain())
+        return super().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        super().update_connector_output(connector_output)
+        if connector_output.finished_sending:
+            self.leases.on_freed(connector_output.finished_sending)
+        for request_id in connector_output.failed_recving or ():
+            if (record := self._pulls.get(request_id)) is not None:
+                record.failed()
+
+    def _count_pull(self, record: PullRecord) -> None:
+        params = record.as_params()
+        self.leases.count(f"pulls_{params[KV_PARAM_PULL]}")
+        self.leases.count("pulled_tokens", record.reused_tokens)
+        if record.decision.prefix_break:
+            self.leases.count("prefix_breaks")
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+
+
+class NixlConnector(NixlPullConnector):
+    """Upstream's pull connector with :class:`KVTetherScheduler` on the scheduler side."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ):
+        # Same construction as NixlPullConnector.__init__, with our scheduler class.
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KVTetherScheduler(
+                vllm_config, self.engine_id, kv_cache_config
+            )
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = NixlPullConnectorWorker(
+                vllm_config, self.engine_id, kv_cache_config
+            )
+
+
+def _is_decode_handle(params: dict[str, Any] | None) -> bool:
+    """A prefill request carrying decode-held KV to read (bidirectional turn N+1)."""
+    return bool(params and params.get("do_remote_decode") and params.get("remote_block_ids"))
