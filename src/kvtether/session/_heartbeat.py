@@ -1,0 +1,203 @@
+"""Lease heartbeats while a tool runs: a daemon thread for sync code, a task for async code.
+
+A heartbeat must never hurt the tool it accompanies: failures are logged once, counted, and
+retried with exponential backoff; a 404 or 410 stops the beats quietly (nothing left to keep);
+stopping never waits for more than one in-flight request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+import httpx
+
+from kvtether.protocol import HeartbeatRequest, HeartbeatResponse, Phase
+from kvtether.session._records import EventKind, ToolRun
+
+if TYPE_CHECKING:
+    from kvtether.session._base import BaseSession
+
+__all__ = ["Beat", "HeartbeatPlan", "ThreadHeartbeat", "TaskHeartbeat"]
+
+logger = logging.getLogger(__name__)
+
+
+class Beat(Protocol):
+    """A running heartbeat; stop() from sync code, astop() from async code."""
+
+    def stop(self) -> None: ...
+
+    async def astop(self) -> None: ...
+
+
+_MIN_INTERVAL_S = 0.05  # a router reporting ~0 s left must not make us spin
+_JOIN_TIMEOUT_S = 1.0  # stop() returns at once unless a heartbeat is in flight
+
+
+class HeartbeatPlan:
+    """What one tool run's heartbeats say, and how long to wait between them."""
+
+    def __init__(self, session: BaseSession, run: ToolRun, eta_s: float | None) -> None:
+        self._session = session
+        self._run = run
+        self._eta_s = eta_s
+        self._started_s = time.monotonic()
+        self._failures = 0
+        self.url = session._heartbeat_url()
+
+    @property
+    def wanted(self) -> bool:
+        return self.url is not None and self._session._lease.has_lease
+
+    def body(self) -> bytes | None:
+        """The next heartbeat's JSON, or None when there is no lease to keep."""
+        if not self.wanted:
+            return None
+        elapsed_s = time.monotonic() - self._started_s
+        guess = self._session._predictor.at_tool(
+            self._run.key, elapsed_s=elapsed_s, eta_s=self._eta_s
+        )
+        request = HeartbeatRequest(
+            phase=Phase.TOOL_RUNNING,
+            tool_name=self._run.name[:200],
+            expected_duration_s=round(guess.next_turn_gap_s, 3),
+            next_prompt_tokens=guess.next_prompt_tokens,
+        )
+        self._session._predicted_next_tokens = guess.next_prompt_tokens
+        return request.model_dump_json(exclude_none=True).encode()
+
+    def on_response(self, status_code: int, content: bytes) -> float | None:
+        """Seconds until the next heartbeat, or None to stop."""
+        s = self._session
+        if status_code == 200:
+            try:
+                remaining_s = HeartbeatResponse.model_validate_json(content).lease_remaining_s
+            except ValueError:
+                return self._failed("unreadable heartbeat response")
+            with s._lock:
+                s._lease.lease_remaining_s = remaining_s
+                self._run.heartbeats += 1
+            self._failures = 0
+            return max(_MIN_INTERVAL_S, min(s._settings.heartbeat_interval_s, remaining_s / 3))
+        if status_code == 404:
+            s._lose_lease(EventKind.LEASE_NOT_FOUND, "router holds no lease", kv_gone=False)
+            return None
+        if status_code == 410:
+            s._lose_lease(EventKind.KV_GONE, "KV released, evicted or expired", kv_gone=True)
+            return None
+        if 400 <= status_code < 500 and status_code != 429:
+            detail = content[:200].decode(errors="replace")
+            s._record(EventKind.HEARTBEAT_REJECTED, f"HTTP {status_code}: {detail}")
+            s._warn_once(
+                "heartbeat_rejected",
+                "router rejected a heartbeat (HTTP %s): %s",
+                status_code,
+                detail,
+            )
+            return None
+        return self._failed(f"HTTP {status_code}")
+
+    def on_error(self, exc: BaseException) -> float:
+        return self._failed(f"{type(exc).__name__}: {exc}")
+
+    def _failed(self, detail: str) -> float:
+        s = self._session
+        with s._lock:
+            self._run.heartbeat_failures += 1
+        if self._failures == 0:
+            s._record(EventKind.HEARTBEAT_FAILED, f"{self._run.name}: {detail}")
+        s._warn_once(
+            "heartbeat_failed",
+            "heartbeat to the kvtether router failed (%s); retrying quietly with backoff",
+            detail,
+        )
+        self._failures += 1
+        settings = s._settings
+        return min(
+            settings.heartbeat_interval_s * 2.0**self._failures, settings.max_heartbeat_backoff_s
+        )
+
+
+class ThreadHeartbeat:
+    """Beats from a daemon thread: works whatever the tool does, even block an event loop."""
+
+    def __init__(self, plan: HeartbeatPlan, client: Callable[[], httpx.Client], name: str):
+        self._plan = plan
+        self._client = client
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        try:
+            self._beat()
+        except Exception:  # noqa: BLE001 - a heartbeat bug must not surface in the agent
+            logger.debug("kvtether heartbeat thread stopped on an error", exc_info=True)
+
+    def _beat(self) -> None:
+        delay_s: float | None = 0.0
+        while delay_s is not None and not self._stop.wait(delay_s):
+            body = self._plan.body()
+            if body is None or self._plan.url is None:
+                return
+            try:
+                response = self._client().post(
+                    self._plan.url, content=body, headers={"Content-Type": "application/json"}
+                )
+            except (httpx.HTTPError, RuntimeError) as exc:  # RuntimeError: client closed
+                delay_s = self._plan.on_error(exc)
+            else:
+                delay_s = self._plan.on_response(response.status_code, response.content)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(_JOIN_TIMEOUT_S)
+
+    async def astop(self) -> None:
+        self.stop()
+
+
+class TaskHeartbeat:
+    """Beats from an asyncio task next to an async tool; cancelled (mid-request) on stop."""
+
+    def __init__(self, plan: HeartbeatPlan, client: Callable[[], httpx.AsyncClient], name: str):
+        self._plan = plan
+        self._client = client
+        self._task = asyncio.get_running_loop().create_task(self._main(), name=name)
+
+    async def _main(self) -> None:
+        try:
+            await self._beat()
+        except Exception:  # noqa: BLE001 - a heartbeat bug must not surface in the agent
+            logger.debug("kvtether heartbeat task stopped on an error", exc_info=True)
+
+    async def _beat(self) -> None:
+        delay_s: float | None = 0.0
+        while delay_s is not None:
+            if delay_s:
+                await asyncio.sleep(delay_s)
+            body = self._plan.body()
+            if body is None or self._plan.url is None:
+                return
+            try:
+                response = await self._client().post(
+                    self._plan.url, content=body, headers={"Content-Type": "application/json"}
+                )
+            except (httpx.HTTPError, RuntimeError) as exc:
+                delay_s = self._plan.on_error(exc)
+            else:
+                delay_s = self._plan.on_response(response.status_code, response.content)
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+    async def astop(self) -> None:
+        self._task.cancel()
+        # wait(), not await: the tool's own cancellation must still reach the caller.
+        await asyncio.wait({self._task})

@@ -1,0 +1,51 @@
+"""Conversation ids: generated, derived from a framework's own id, or checked when given."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import uuid
+
+from kvtether.errors import ConfigError
+from kvtether.protocol import HEADER_CONVERSATION_ID, MAX_CONVERSATION_ID_LEN
+
+__all__ = ["conversation_id_from", "new_conversation_id", "check_conversation_id"]
+
+_PREFIX = "kvt-"
+# Visible ASCII only: the id travels in an HTTP header and in URL paths of the session API.
+_ALLOWED = re.compile(r"[A-Za-z0-9._:@~+=-]+")
+
+
+def new_conversation_id() -> str:
+    """A fresh random id, for agents that have no id of their own."""
+    return _PREFIX + uuid.uuid4().hex
+
+
+def conversation_id_from(*parts: str, namespace: str = "kvtether") -> str:
+    """A stable conversation id derived from a framework's ids (thread id, run id, user id...).
+
+    The same parts always give the same id, in any process, so a resumed thread (a LangGraph
+    ``thread_id``, an Agents SDK ``session_id``) lands on the KV its earlier turns left behind.
+    The id is a hash, so private strings (user names, e-mail addresses) never reach the router.
+    """
+    if not parts:
+        raise ConfigError("conversation_id_from() needs at least one part, e.g. a thread id")
+    h = hashlib.blake2b(digest_size=16, person=b"kvtether-conv-id")
+    h.update(namespace.encode())
+    for part in parts:
+        data = str(part).encode()
+        # Length-prefix each part so ("ab", "c") and ("a", "bc") differ.
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return _PREFIX + h.hexdigest()
+
+
+def check_conversation_id(value: str) -> str:
+    """Return ``value`` if it can travel as a header and a URL path segment, else raise."""
+    if not value or len(value) > MAX_CONVERSATION_ID_LEN or not _ALLOWED.fullmatch(value):
+        raise ConfigError(
+            f"conversation_id {value[:40]!r} cannot be sent as {HEADER_CONVERSATION_ID}: use 1-"
+            f"{MAX_CONVERSATION_ID_LEN} characters from [A-Za-z0-9._:@~+=-], or derive one "
+            "with kvtether.session.conversation_id_from(your_id)"
+        )
+    return value

@@ -1,0 +1,93 @@
+"""The client's view of its lease on the router, and the session API calls about it."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from urllib.parse import quote
+
+import httpx
+
+from kvtether.errors import RouterUnavailableError, SessionError, SessionGone, SessionNotFound
+from kvtether.protocol import SessionStatus
+
+__all__ = ["LeaseState", "session_url", "release_at_exit", "parse_status", "unavailable"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LeaseState:
+    """Shared by a session and its exit finalizer, which must not reference the session."""
+
+    conversation_id: str
+    base_url: str | None
+    timeout_s: float
+    # A turn went through a kvtether router (it answered with X-KVTether-Reuse), so decode may
+    # hold KV for this conversation. Heartbeats and release only make sense after that.
+    has_lease: bool = False
+    released: bool = False
+    kv_gone: bool = False
+    lease_remaining_s: float | None = None
+
+
+def session_url(state: LeaseState, suffix: str = "") -> str | None:
+    if state.base_url is None:
+        return None
+    return f"{state.base_url}/v1/sessions/{quote(state.conversation_id, safe='')}{suffix}"
+
+
+def release_at_exit(state: LeaseState) -> None:
+    """``weakref.finalize`` callback: free the KV of a session nobody closed. Never raises."""
+    url = session_url(state)
+    if url is None or not state.has_lease or state.released:
+        return
+    try:
+        # Plain-http routers need no CA certificates, which take long to load.
+        verify = url.startswith("https:")
+        with httpx.Client(timeout=state.timeout_s, verify=verify) as client:
+            response = client.delete(url)
+        if response.status_code in (200, 204, 404):
+            state.released, state.has_lease = True, False
+    except Exception:  # noqa: BLE001 - at interpreter exit anything may be half torn down
+        pass
+
+
+def parse_status(state: LeaseState, response: httpx.Response) -> SessionStatus:
+    """``GET /v1/sessions/{id}`` response → ``SessionStatus``, or the matching exception."""
+    cid = state.conversation_id
+    if response.status_code == 200:
+        return SessionStatus.model_validate_json(response.content)
+    message = _error_message(response)
+    if response.status_code == 404:
+        raise SessionNotFound(
+            f"the router holds no state for conversation {cid!r}: {message}",
+            conversation_id=cid,
+            status_code=404,
+        )
+    if response.status_code == 410:
+        raise SessionGone(
+            f"the KV of conversation {cid!r} is gone: {message}",
+            conversation_id=cid,
+            status_code=410,
+        )
+    raise SessionError(
+        f"session status for {cid!r} failed with HTTP {response.status_code}: {message}",
+        conversation_id=cid,
+        status_code=response.status_code,
+    )
+
+
+def unavailable(state: LeaseState, exc: httpx.HTTPError) -> RouterUnavailableError:
+    return RouterUnavailableError(
+        f"the kvtether router at {state.base_url} did not answer ({type(exc).__name__}: {exc}); "
+        "check that it runs and that base_url points at it"
+    )
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+        return str(body["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200] or response.reason_phrase
