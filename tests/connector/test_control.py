@@ -1,0 +1,141 @@
+"""The HTTP control channel against a simulated engine loop (no vLLM).
+
+``FakeEngine`` steps like vLLM's engine core with the kvtether scheduler: drain queued
+operations into ``reqs_to_send``, let the worker overwrite its deadlines (upstream's
+``start_load_kv``), reap expired ones (``_reap_expired_send_leases``) and report them freed
+(``finished_sending`` -> ``update_connector_output``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from kvtether.connector._control import ControlServer, render_metrics
+from kvtether.connector._leases import LeaseTable
+from kvtether.protocol import ConnectorStatus, HandleResponse, LeaseInfo, LeaseList
+
+
+class FakeEngine:
+    def __init__(self, table: LeaseTable) -> None:
+        self.table = table
+        self.worker_deadlines: dict[str, float] = {}
+        self.consumed: set[str] = set()  # P notified "done reading"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def finish_turn(self, key: str, rid: str, ttl_s: float, tokens: int = 64) -> None:
+        handle = {"remote_block_ids": [[7, 8]], "remote_num_tokens": tokens,
+                  "remote_engine_id": "D"}
+        updates = self.table.open(key, rid, handle, retained_blocks=2, retained_tokens=tokens,
+                                  ttl_s=ttl_s)
+        self.worker_deadlines.update(updates)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.worker_deadlines.update(self.table.drain())
+            now = time.perf_counter()
+            freed = {r for r, d in self.worker_deadlines.items() if now >= d} | self.consumed
+            for rid in freed:
+                self.worker_deadlines.pop(rid, None)
+            self.consumed -= freed
+            if freed:
+                self.table.on_freed(freed)
+
+    def __enter__(self) -> FakeEngine:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def status_of(table: LeaseTable) -> ConnectorStatus:
+    return ConnectorStatus(
+        engine_id="engine-d", vllm_version="0.32.0", block_size=32, default_lease_ttl_s=30,
+        max_lease_ttl_s=3600, totals=table.totals(), counters=table.counters(),
+        unix_time=time.time(), perf_counter=time.perf_counter(),
+    )
+
+
+@pytest.fixture
+def stack() -> Iterator[tuple[httpx.Client, FakeEngine]]:
+    table = LeaseTable(op_timeout_s=5.0)
+    server = ControlServer(table, lambda: status_of(table), "127.0.0.1", 0)
+    server.start()
+    with FakeEngine(table) as engine, httpx.Client(
+        base_url=f"http://127.0.0.1:{server.port}/kvtether/v1", timeout=10
+    ) as client:
+        yield client, engine
+    server.close()
+
+
+def test_handle_long_poll_renew_and_release(stack: tuple[httpx.Client, FakeEngine]) -> None:
+    client, engine = stack
+    threading.Timer(0.2, engine.finish_turn, args=("conv-1/t1", "req-1", 30.0)).start()
+    started = time.perf_counter()
+    got = client.get("/handles/conv-1%2Ft1", params={"wait_s": 5})
+    assert got.status_code == 200, got.text
+    assert time.perf_counter() - started > 0.15  # it waited for the publication
+    handle = HandleResponse.model_validate(got.json())
+    assert handle.kv_transfer_params["remote_engine_id"] == "D"
+
+    renewed = client.post("/leases/conv-1%2Ft1/renew", json={"ttl_s": 120})
+    assert renewed.status_code == 200, renewed.text
+    info = LeaseInfo.model_validate(renewed.json())
+    assert 119 < info.remaining_s <= 120
+    assert engine.worker_deadlines["req-1"] == info.remote_blocks_expiry_time
+    again = HandleResponse.model_validate(client.get("/handles/conv-1%2Ft1").json())
+    assert again.kv_transfer_params["remote_blocks_expiry_time"] == info.remote_blocks_expiry_time
+
+    released = client.delete("/leases/conv-1%2Ft1")  # answers once the blocks are freed
+    assert released.status_code == 200 and released.json()["state"] == "released"
+    assert "req-1" not in engine.worker_deadlines
+    assert client.get("/handles/conv-1%2Ft1").status_code == 410
+
+
+def test_expiry_and_consumption_are_visible(stack: tuple[httpx.Client, FakeEngine]) -> None:
+    client, engine = stack
+    engine.finish_turn("short", "r-short", ttl_s=0.3)
+    engine.finish_turn("read", "r-read", ttl_s=30)
+    engine.consumed.add("r-read")
+    deadline = time.monotonic() + 10
+    while client.get("/status").json()["totals"]["retained_tokens"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    listing = LeaseList.model_validate(client.get("/leases").json())
+    states = {x.key: x.state.value for x in listing.recently_ended}
+    assert states == {"short": "expired", "read": "consumed"}
+    assert listing.totals.retained_tokens == 0
+    status = client.get("/status").json()
+    assert status["counters"]["leases_expired"] == 1
+    assert status["counters"]["leases_consumed"] == 1
+    assert abs(status["perf_counter"] - time.perf_counter()) < 1
+    metrics = client.get("/metrics")
+    assert 'kvtether_connector_leases_expired_total{engine_id="engine-d"} 1' in metrics.text
+    assert metrics.headers["content-type"].startswith("text/plain")
+
+
+def test_bad_requests_get_clear_errors(stack: tuple[httpx.Client, FakeEngine]) -> None:
+    client, engine = stack
+    engine.finish_turn("k", "r", ttl_s=30)
+    bad = client.post("/leases/k/renew", json={"ttl_s": -1})
+    assert bad.status_code == 400 and "ttl_s" in bad.json()["error"]["message"]
+    assert client.post("/leases/k/renew", json={"ttl": 5}).status_code == 400
+    assert client.get("/handles/k", params={"wait_s": "soon"}).status_code == 400
+    assert client.get("/nothing").status_code == 404
+    assert client.delete("/leases/unknown").status_code == 404
+    assert client.get("/handles/unknown", params={"wait_s": 0.1}).status_code == 404
+
+
+def test_render_metrics_has_gauges_and_counters() -> None:
+    table = LeaseTable()
+    table.open("k", "r", {}, retained_blocks=3, retained_tokens=90, ttl_s=10)
+    text = render_metrics(status_of(table))
+    assert 'kvtether_connector_active_leases{engine_id="engine-d"} 1' in text
+    assert 'kvtether_connector_retained_tokens{engine_id="engine-d"} 90' in text
+    assert "# TYPE kvtether_connector_leases_created_total counter" in text

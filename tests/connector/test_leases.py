@@ -1,0 +1,203 @@
+"""The lease table as the engine loop and the control channel use it (no vLLM, fake clock)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvtether.connector._leases import LeaseTable
+from kvtether.protocol import HandleResponse, LeaseInfo, LeaseState
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def make_table(clock: FakeClock, **kwargs: object) -> LeaseTable:
+    return LeaseTable(clock=clock, wall=lambda: clock.now + 1e9, op_timeout_s=2.0, **kwargs)
+
+
+def open_lease(table: LeaseTable, key: str = "k1", rid: str = "r1", tokens: int = 100,
+               ttl_s: float = 30.0) -> dict[str, float]:
+    handle = {"remote_block_ids": [[1, 2, 3, 4]], "remote_num_tokens": tokens}
+    return table.open(key, rid, handle, retained_blocks=4, retained_tokens=tokens, ttl_s=ttl_s)
+
+
+def engine_step_soon(table: LeaseTable, sink: dict[str, float]) -> threading.Thread:
+    """Run one engine step (drain) from another thread once an op is queued."""
+
+    def step() -> None:
+        while not table._ops:  # the control thread has not queued yet
+            threading.Event().wait(0.001)
+        sink.update(table.drain())
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    return thread
+
+
+def test_open_publishes_handle_with_lease_deadline(clock: FakeClock) -> None:
+    table = make_table(clock)
+    updates = open_lease(table, ttl_s=30)
+    assert updates == {"r1": 1030.0}
+    reply = table.handle("k1", wait_s=0)
+    assert reply.status == 200
+    body = HandleResponse.model_validate(reply.body)
+    assert body.kv_transfer_params["remote_blocks_expiry_time"] == 1030.0
+    assert body.lease.state is LeaseState.ACTIVE
+    assert body.lease.remaining_s == 30.0
+    assert body.lease.deadline_unix_s == pytest.approx(1e9 + 1030.0)
+    assert table.counters()["handles_published"] == 1
+
+
+def test_initial_lease_is_capped(clock: FakeClock) -> None:
+    table = make_table(clock, max_lease_ttl_s=10)
+    assert open_lease(table, ttl_s=3600) == {"r1": 1010.0}
+
+
+def test_renew_waits_for_engine_step_and_moves_deadline(clock: FakeClock) -> None:
+    table = make_table(clock)
+    open_lease(table, ttl_s=30)
+    clock.now += 20
+    sink: dict[str, float] = {}
+    thread = engine_step_soon(table, sink)
+    reply = table.renew("k1", 60)
+    thread.join()
+    assert reply.status == 200
+    info = LeaseInfo.model_validate(reply.body)
+    assert info.remote_blocks_expiry_time == 1080.0 and info.renewals == 1
+    assert sink == {"r1": 1080.0}  # what the worker receives as the new deadline
+    handle = HandleResponse.model_validate(table.handle("k1", 0).body)
+    assert handle.kv_transfer_params["remote_blocks_expiry_time"] == 1080.0
+    assert table.counters()["leases_renewed"] == 1
+
+
+def test_renew_too_close_to_expiry_is_refused(clock: FakeClock) -> None:
+    table = make_table(clock, renew_guard_s=1.0)
+    open_lease(table, ttl_s=30)
+    clock.now += 29.5
+    sink: dict[str, float] = {}
+    thread = engine_step_soon(table, sink)
+    reply = table.renew("k1", 60)
+    thread.join()
+    assert reply.status == 410 and reply.body["error"]["code"] == "expiring"
+    assert sink == {}
+
+
+def test_release_frees_at_once_and_reports_released(clock: FakeClock) -> None:
+    table = make_table(clock)
+    open_lease(table)
+    sink: dict[str, float] = {}
+
+    def engine() -> None:
+        while not table._ops:
+            threading.Event().wait(0.001)
+        sink.update(table.drain())
+        table.on_freed([rid for rid, deadline in sink.items() if deadline <= clock.now])
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    reply = table.release("k1")
+    thread.join()
+    assert sink == {"r1": 1000.0}  # deadline "now": the worker reaps it in the same step
+    assert reply.status == 200
+    assert LeaseInfo.model_validate(reply.body).state is LeaseState.RELEASED
+    assert table.totals().retained_tokens == 0
+    assert table.handle("k1", 0).status == 410
+    assert table.release("k1").status == 200  # idempotent
+    assert table.counters()["leases_released"] == 1
+
+
+def test_freed_after_deadline_is_expired_before_is_consumed(clock: FakeClock) -> None:
+    table = make_table(clock)
+    open_lease(table, "a", "ra", ttl_s=5)
+    open_lease(table, "b", "rb", ttl_s=50)
+    clock.now += 6
+    table.on_freed(["ra", "rb", "not-a-lease"])
+    assert table.lease("a").body["state"] == "expired"
+    assert table.lease("b").body["state"] == "consumed"
+    counters = table.counters()
+    assert counters["leases_expired"] == 1 and counters["leases_consumed"] == 1
+    gone = table.handle("b", 0)
+    assert gone.status == 410 and gone.body["error"]["code"] == "consumed"
+    listing = table.leases()
+    assert listing.leases == [] and {x.key for x in listing.recently_ended} == {"a", "b"}
+
+
+def test_operations_on_ended_or_unknown_leases_answer_without_engine(clock: FakeClock) -> None:
+    table = make_table(clock)
+    assert table.renew("nope", 10).status == 404
+    open_lease(table)
+    table.on_freed(["r1"])
+    reply = table.renew("k1", 10)  # no engine step needed: nothing is retained
+    assert reply.status == 410 and reply.body["lease"]["state"] == "consumed"
+
+
+def test_handle_long_poll_returns_when_published(clock: FakeClock) -> None:
+    table = make_table(clock)
+    result: list[int] = []
+    waiter = threading.Thread(target=lambda: result.append(table.handle("k1", 5).status))
+    waiter.start()
+    threading.Event().wait(0.05)
+    open_lease(table)
+    waiter.join(timeout=5)
+    assert result == [200]
+    assert table.handle("unknown", wait_s=0.05).status == 404
+
+
+def test_not_retained_answers_waiters_with_410(clock: FakeClock) -> None:
+    table = make_table(clock)
+    table.not_retained("k9", "r9")
+    reply = table.handle("k9", 1)
+    assert reply.status == 410 and reply.body["error"]["code"] == "not_retained"
+    assert table.counters()["handles_not_retained"] == 1
+
+
+def test_max_retained_tokens_evicts_closest_to_expiry(clock: FakeClock) -> None:
+    table = make_table(clock, max_retained_tokens=250)
+    open_lease(table, "a", "ra", tokens=100, ttl_s=10)
+    open_lease(table, "b", "rb", tokens=100, ttl_s=100)
+    updates = open_lease(table, "c", "rc", tokens=100, ttl_s=50)
+    assert updates == {"ra": 1000.0, "rc": 1050.0}  # "a" is freed at once
+    table.on_freed(["ra"])
+    assert table.lease("a").body["state"] == "evicted"
+    assert table.totals().retained_tokens == 200
+    # A lease larger than the cap alone is not kept.
+    assert open_lease(table, "d", "rd", tokens=300) == {"rd": 1000.0}
+    assert table.handle("d", 0).body["error"]["code"] == "not_retained"
+
+
+def test_reused_key_goes_to_newest_turn(clock: FakeClock) -> None:
+    table = make_table(clock)
+    open_lease(table, "k", "r1")
+    open_lease(table, "k", "r2")
+    assert table.handle("k", 0).body["lease"]["request_id"] == "r2"
+    assert table.lease("r1").body["state"] == "active"  # older turn stays reachable
+    table.on_freed(["r1"])
+    assert table.lease("k").body["state"] == "active"
+
+
+def test_engine_that_never_steps_gives_503(clock: FakeClock) -> None:
+    table = LeaseTable(clock=clock, op_timeout_s=0.05)
+    open_lease(table)
+    reply = table.renew("k1", 10)
+    assert reply.status == 503 and reply.body["error"]["code"] == "engine_busy"
+    assert table.drain() == {}  # the timed-out renewal was withdrawn, not applied later
+
+
+def test_turn_not_retained_under_a_reused_key_hides_the_older_handle(clock: FakeClock) -> None:
+    table = make_table(clock)
+    open_lease(table, "k", "r1")
+    table.not_retained("k", "r2")
+    assert table.handle("k", 0).body["error"]["code"] == "not_retained"
+    assert table.lease("r1").body["state"] == "active"

@@ -1,0 +1,217 @@
+"""The kvtether scheduler inside a real vLLM 0.32 ``Scheduler`` (simulated worker, no NIXL).
+
+Decode side: a finished turn is retained under a lease, its handle published; renew, release
+and expiry travel through ``reqs_to_send`` to the worker and come back as freed blocks.
+Prefill side: a decode handle is cut to the prefix the prompt repeats, and P reports it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from kvtether.connector._leases import Reply  # noqa: E402
+from kvtether.connector._prefix import annotate_handle  # noqa: E402
+from kvtether.protocol import HandleResponse, LeaseInfo  # noqa: E402
+
+from .harness import Harness  # noqa: E402
+
+BS = 4
+
+
+def decode_leg(key: str | None, **extra: Any) -> dict[str, Any]:
+    """kv_transfer_params of a decode leg, as the router builds them from P's answer."""
+    params = {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "engine-p",
+        "remote_request_id": "p-req", "remote_block_ids": [[0, 1, 2]], "remote_host": "127.0.0.1",
+        "remote_port": 5600, "tp_size": 1, **extra,
+    }
+    if key is not None:
+        params["kvtether_handle_key"] = key
+    return params
+
+
+def finish_decode_turn(h: Harness, rid: str, key: str | None, max_tokens: int = 3,
+                       **extra: Any) -> list[int]:
+    prompt = list(range(10, 20))
+    request = h.add(rid, prompt, decode_leg(key, **extra), max_tokens=max_tokens)
+    h.step()
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    h.step(recved={rid})
+    for _ in range(max_tokens + 2):
+        if rid in h.outputs:
+            break
+        h.step()
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    return list(request.all_token_ids)
+
+
+def call_during_step(h: Harness, call: Callable[[], Reply]) -> tuple[Reply, Any]:
+    """Run a control-channel call that waits for the engine loop, and step the loop once."""
+    result: list[Reply] = []
+    thread = threading.Thread(target=lambda: result.append(call()))
+    thread.start()
+    deadline = time.monotonic() + 5
+    while not h.conn.leases._ops and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    out = h.step()
+    thread.join(timeout=5)
+    return result[0], out.kv_connector_metadata
+
+
+def test_decode_turn_publishes_handle_with_lease_and_hashes(tmp_path: Path) -> None:
+    h = Harness(tmp_path, extra={"kvtether_lease_ttl_s": 30})
+    tokens = finish_decode_turn(h, "d-1", "key-1", kvtether_lease_ttl_s=12.5)
+    params = h.outputs["d-1"]  # what a non-streaming response carries
+    assert params["do_remote_decode"] is True and params["kvtether_lease_key"] == "key-1"
+    n = params["remote_num_tokens"]
+    assert n == len(tokens) - 1  # the last sampled token has no KV yet
+    expected: dict[str, Any] = {}
+    annotate_handle(expected, tokens[:n], BS)
+    assert params["kvtether_block_hashes"] == expected["kvtether_block_hashes"]
+    assert params["remote_blocks_expiry_time"] == pytest.approx(time.perf_counter() + 12.5, abs=2)
+
+    reply = h.conn.leases.handle("key-1", wait_s=0)
+    published = HandleResponse.model_validate(reply.body)
+    block_ids = [list(group) for group in params["remote_block_ids"]]
+    assert published.kv_transfer_params["remote_block_ids"] == block_ids
+    assert published.lease.retained_tokens == n
+    meta = h.step().kv_connector_metadata
+    assert meta.reqs_to_send["d-1"] == params["remote_blocks_expiry_time"]  # not the 480 s TTL
+    assert h.conn.status().totals.active_leases == 1
+
+
+def test_renew_reaches_worker_and_release_frees_blocks_in_one_step(tmp_path: Path) -> None:
+    h = Harness(tmp_path, extra={"kvtether_lease_ttl_s": 30})
+    finish_decode_turn(h, "d-1", "key-1")
+    h.step()
+    reply, meta = call_during_step(h, lambda: h.conn.leases.renew("key-1", 100))
+    assert reply.status == 200
+    assert meta.reqs_to_send["d-1"] - meta.scheduler_clock == pytest.approx(100, abs=0.5)
+    assert h.worker.deadlines["d-1"] - time.perf_counter() == pytest.approx(100, abs=0.5)
+    handle = HandleResponse.model_validate(h.conn.leases.handle("key-1", 0).body)
+    assert handle.kv_transfer_params["remote_blocks_expiry_time"] == meta.reqs_to_send["d-1"]
+
+    free_before = h.free_blocks()
+    reply, meta = call_during_step(h, lambda: h.conn.leases.release("key-1"))
+    assert reply.status == 200 and LeaseInfo.model_validate(reply.body).state.value == "released"
+    assert "d-1" not in h.scheduler.requests  # freed by the same engine step
+    assert h.free_blocks() > free_before
+    assert h.conn.leases.handle("key-1", 0).status == 410
+    assert h.conn.status().counters["leases_released"] == 1
+
+
+def test_short_lease_expires_and_frees(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    finish_decode_turn(h, "d-1", "key-1", kvtether_lease_ttl_s=0.3)
+    deadline = time.monotonic() + 5
+    while "d-1" in h.scheduler.requests and time.monotonic() < deadline:
+        h.step()
+        time.sleep(0.02)
+    assert "d-1" not in h.scheduler.requests
+    assert h.conn.leases.lease("key-1").body["state"] == "expired"
+
+
+def test_prefill_reading_the_handle_consumes_the_lease(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    finish_decode_turn(h, "d-1", None)  # no key: the lease is keyed by request id
+    assert h.outputs["d-1"]["kvtether_lease_key"] == "d-1"
+    h.worker.read_by_prefill.add("d-1")
+    h.step()
+    assert h.conn.leases.lease("d-1").body["state"] == "consumed"
+
+
+def test_aborted_turn_is_reported_not_retained(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.add("d-1", list(range(10, 20)), decode_leg("key-1"), max_tokens=5)
+    h.step()
+    h.step(recved={"d-1"})
+    h.step()
+    h.scheduler.finish_requests(["d-1"], RequestStatus.FINISHED_ABORTED)
+    reply = h.conn.leases.handle("key-1", wait_s=0)
+    assert reply.status == 410 and reply.body["error"]["code"] == "not_retained"
+
+
+def test_plain_request_with_a_key_is_not_retained_forever(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.add("x-1", list(range(10, 20)), {"kvtether_handle_key": "key-x"}, max_tokens=2)
+    for _ in range(4):
+        h.step()
+    assert "x-1" not in h.scheduler.requests  # upstream would hold it with no worker deadline
+    assert h.conn.leases.handle("key-x", 0).body["error"]["code"] == "not_retained"
+
+
+# --- prefill side ---------------------------------------------------------------------------
+SEQ = list(range(100, 122))  # decode's 22 tokens: 5 full blocks + 2
+
+
+def decode_handle() -> dict[str, Any]:
+    handle = {
+        "do_remote_prefill": False, "do_remote_decode": True, "remote_engine_id": "engine-d",
+        "remote_request_id": "d-7", "remote_block_ids": [[50, 51, 52, 53, 54, 55]],
+        "remote_host": "127.0.0.1", "remote_port": 5610, "tp_size": 1, "remote_num_tokens": 22,
+    }
+    annotate_handle(handle, SEQ, BS)
+    return handle
+
+
+def test_rewritten_history_reads_only_the_matching_prefix(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    prompt = SEQ.copy()
+    prompt[9] = 7  # inside block 2
+    request = h.add("p-1", prompt + [1, 2, 3], decode_handle())
+    meta = h.step().kv_connector_metadata
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    recv = meta.reqs_to_recv["p-1"]
+    assert recv.remote.block_ids == [[50, 51]] and recv.remote.num_tokens == 8
+    assert [len(g) for g in recv.local_block_ids] == [2]
+    h.step(recved={"p-1"})
+    h.step()
+    report = h.outputs["p-1"]
+    assert report["kvtether_pull"] == "pulled" and report["kvtether_reused_tokens"] == 8
+    assert report["kvtether_prefix_match_tokens"] == 8 and report["kvtether_prefix_break"] is True
+    assert report["kvtether_remote_tokens"] == 22
+    assert h.conn.status().counters["prefix_breaks"] == 1
+
+
+def test_extending_prompt_reads_everything(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.add("p-1", SEQ + [1, 2, 3], decode_handle())
+    recv = h.step().kv_connector_metadata.reqs_to_recv["p-1"]
+    assert recv.remote.block_ids == [[50, 51, 52, 53, 54, 55]] and recv.remote.num_tokens == 22
+    h.step(recved={"p-1"})
+    h.step()
+    assert h.outputs["p-1"]["kvtether_reused_tokens"] == 22
+    assert h.outputs["p-1"]["kvtether_prefix_break"] is False
+
+
+def test_no_matching_block_reads_nothing_but_tells_decode_to_free(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    request = h.add("p-1", [9] + SEQ[1:] + [1], decode_handle())
+    meta = h.step().kv_connector_metadata
+    assert request.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+    notify = meta.reqs_to_recv["p-1"]  # notify-only: decode frees its blocks at once
+    assert not any(notify.local_block_ids) and notify.remote.request_id == "d-7"
+    assert h.outputs["p-1"]["kvtether_pull"] == "no_match"
+
+
+def test_failed_read_recomputes_instead_of_waiting_forever(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    prompt = SEQ + [1, 2, 3]
+    request = h.add("p-1", prompt, decode_handle())
+    h.step()
+    h.step(failed={"p-1"})  # e.g. declined: the handle's expiry was within 5 s
+    out = h.step()
+    assert out.num_scheduled_tokens.get("p-1") == len(prompt)
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert h.outputs["p-1"]["kvtether_pull"] == "failed"
+    assert h.outputs["p-1"]["kvtether_reused_tokens"] == 0

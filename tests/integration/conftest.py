@@ -1,0 +1,151 @@
+"""Real vLLM fixtures: one P/D stack (tiny model) and one colocated reference per test session.
+
+Both are started once and shared: each vLLM instance takes one to two minutes to boot on these
+2-core machines. Tests use fresh conversation ids, so they do not see each other's KV.
+
+``pd_stack`` is the bundled stack (router included) with a 60 s initial lease. ``short_lease``
+is a second, in-process router over the same vLLM instances whose leases start at 10 s: the
+lease tests need KV to lapse quickly, and the router decides each turn's lease length.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+# Offset from the defaults so a `kvtether stack up` a developer left running does not collide.
+_PORT_BASE = int(os.environ.get("KVTETHER_TEST_PORT_BASE", "18000"))
+SHORT_LEASE_TTL_S = 10.0
+
+
+@dataclass(frozen=True)
+class StackHandle:
+    base_url: str  # a kvtether router
+    model: str
+    lease_ttl_s: float
+    block_size_tokens: int
+    prefill_urls: list[str]
+    decode_urls: list[str]
+    decode_control_urls: list[str]
+    state_dir: Path
+
+
+@dataclass(frozen=True)
+class Reference:
+    base_url: str
+
+
+def _settings(tmp: Path, **overrides):
+    from kvtether.stack.settings import StackSettings
+
+    return StackSettings(
+        profile="cpu-tiny",
+        port=_PORT_BASE,
+        base_port=_PORT_BASE + 100,
+        side_channel_base_port=_PORT_BASE - 2000,
+        control_base_port=_PORT_BASE + 200,
+        state_dir=tmp,
+        health_timeout_s=900,  # generous: a loaded 2-core machine boots vLLM slowly
+        **overrides,
+    )
+
+
+@pytest.fixture(scope="session")
+def pd_stack(
+    tmp_path_factory: pytest.TempPathFactory, reference_vllm: Reference
+) -> Iterator[StackHandle]:
+    # Asks for the reference only to start it first: once P and D are up, NIXL's UCX progress
+    # thread in each busy-polls a core, and a vLLM booting beside them takes 5+ minutes.
+    del reference_vllm
+    from kvtether.stack.launcher import Stack
+
+    tmp = tmp_path_factory.mktemp("stack")
+    settings = _settings(tmp, connector="kvtether", lease_ttl_s=60)
+    with Stack(settings, die_with_parent=True) as stack:
+        n_p = settings.prefill
+        handle = StackHandle(
+            base_url=stack.router_url,
+            model=stack.served_model_name,
+            lease_ttl_s=settings.lease_ttl_s,
+            block_size_tokens=settings.block_size_tokens,
+            prefill_urls=stack.prefill_urls,
+            decode_urls=stack.decode_urls,
+            decode_control_urls=[
+                f"http://{settings.host}:{settings.control_port(n_p + i)}"
+                for i in range(settings.decode)
+            ],
+            state_dir=tmp,
+        )
+        # Stack.up() ran turns until one reused KV: both NIXL handshakes are done, so no test
+        # times (or fails on) vLLM's 5 s first-handshake limit.
+        report = stack.warm_up_report
+        assert report is not None and report.fired, report
+        yield handle
+
+
+def serve_router(stack: StackHandle, **settings):
+    """Run another kvtether router in this process over ``stack``'s vLLM instances."""
+    import contextlib
+
+    import uvicorn
+
+    from kvtether.router import RouterSettings, create_app
+
+    @contextlib.contextmanager
+    def running() -> Iterator[str]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        rs = RouterSettings(
+            port=port, prefill_urls=stack.prefill_urls, decode_urls=stack.decode_urls,
+            decode_control_urls=stack.decode_control_urls,
+            kv_block_size_tokens=stack.block_size_tokens, **settings,
+        )
+        server = uvicorn.Server(uvicorn.Config(create_app(rs), port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        try:
+            while not server.started:
+                assert thread.is_alive(), "router did not start"
+                time.sleep(0.05)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.should_exit = True
+            thread.join(10)
+
+    return running()
+
+
+@pytest.fixture(scope="session")
+def short_lease(pd_stack: StackHandle) -> Iterator[StackHandle]:
+    with serve_router(pd_stack, lease_ttl_s=SHORT_LEASE_TTL_S) as url:
+        yield replace(pd_stack, base_url=url, lease_ttl_s=SHORT_LEASE_TTL_S)
+
+
+@pytest.fixture(scope="session")
+def reference_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reference]:
+    from kvtether.stack.launcher import start_reference_vllm
+
+    tmp = tmp_path_factory.mktemp("reference")
+    settings = _settings(tmp)
+    with start_reference_vllm(settings, port=_PORT_BASE + 99) as url:
+        server = next(p for p in psutil.Process(os.getpid()).children()
+                      if "--no-enable-prefix-caching" in p.cmdline())
+        procs = [server, *server.children(recursive=True)]
+        # The first request on a fresh CPU vLLM is slow; no test should time it.
+        httpx.post(f"{url}/v1/completions", timeout=600, json={
+            "model": "tiny", "prompt": "the agent calls a tool", "max_tokens": 4,
+            "temperature": 0}).raise_for_status()
+        yield Reference(base_url=url)
+    # start_reference_vllm stops the server and its engine and worker processes.
+    alive = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [p.cmdline()[:4] for p in alive]

@@ -1,0 +1,966 @@
+"""A fake vLLM 0.32 OpenAI server running the NIXL connector with bidirectional KV transfer.
+
+Faithful enough to exercise the kvtether router, with no model and no engine:
+
+- ``/health``, ``/v1/models`` (serves ``tiny``), ``/tokenize``, ``/v1/chat/completions`` and
+  ``/v1/completions`` (stream and not), with vLLM 0.32's response shapes: ``return_token_ids``
+  gives top-level ``prompt_token_ids`` + per-choice ``token_ids`` for chat, and per-choice
+  ``prompt_token_ids`` + ``token_ids`` for completions; streamed chunks carry the prompt ids in
+  the first chunk, the delta ids in each chunk, a usage chunk if
+  ``stream_options.include_usage``, then ``data: [DONE]``. Errors use vLLM's ``ErrorResponse``
+  shape ``{"error": {"message", "type", "param", "code": <int>}}``.
+- Tokenization is word level: one id per whitespace-separated word (a stable hash), with
+  ChatML-like markers (``BOS``, ``<|im_start|>`` + role id, ``<|im_end|>``). "Generation" is a
+  deterministic function of the prompt ids that ends with ``<|im_end|>`` (the EOS), so the next
+  turn's rendered prompt repeats the previous prompt + output exactly, as a real chat template
+  does.
+- Every instance is ``kv_both``, like vLLM with the NIXL connector: a request whose
+  ``kv_transfer_params.do_remote_decode`` is true is a prefill leg (it may read a decode
+  instance's handle first); one with ``do_remote_prefill`` true is a decode leg (it reads the
+  prefill's blocks and, on finish, retains its own KV and returns a handle in non-streamed
+  responses only, like 0.32).
+- The NIXL side is simulated by :class:`Cluster`: it knows which engine holds which blocks for
+  which token sequence, so a read can be checked for correctness. Reading KV that does not
+  match the prompt, reading blocks the holder already freed (a stale, consumed or released
+  handle), or misaligned block ids are recorded in ``Cluster.violations`` -- the "never wrong
+  KV" invariant, checked on every read.
+- Optional kvtether connector control channel on decode instances (``control=True``): handles
+  of streamed turns published under ``kvtether_handle_key``, leases renewed and released
+  through ``/kvtether/v1/...``, using the models in :mod:`kvtether.protocol`.
+- Failure modes: :meth:`FakeVLLM.fail_next` (500, vLLM 400s, hang, wrong shapes, garbage) and
+  :attr:`FakeVLLM.down` (connection refused, in :class:`RoutingTransport`).
+
+:class:`RoutingTransport` dispatches httpx requests by URL ``host:port`` to one fake app per
+instance, so a router built with ``create_app(settings, transport=...)`` talks to distinct
+prefill and decode fakes with their own state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvtether import protocol as p
+
+BLOCK_SIZE = 32
+MODEL = "tiny"
+MAX_MODEL_LEN = 4096
+
+BOS, IM_START, IM_END = 1, 2, 3
+EOS = IM_END
+ROLE_IDS = {"system": 10, "user": 11, "assistant": 12, "tool": 13, "developer": 14}
+TOOL_MARK = 20
+
+VOCAB = (  # noqa: SIM905
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
+    "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu one two three "
+    "four five six seven eight nine ten red green blue cyan magenta yellow black white gray "
+    "north south east west up down left right sun moon star rain snow wind fire stone water"
+).split()
+
+
+# --------------------------------------------------------------------------- tokenizer
+@functools.lru_cache(maxsize=65536)
+def word_id(word: str) -> int:
+    """Stable id of one whitespace-separated word (ids < 1000 are special)."""
+    return 1000 + int.from_bytes(hashlib.blake2b(word.encode(), digest_size=4).digest(), "big")
+
+
+def text_ids(text: str) -> list[int]:
+    return [word_id(w) for w in text.split()]
+
+
+def content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(
+            part.get("text", "") for part in content if isinstance(part, dict)
+        )
+    return str(content)
+
+
+def tool_call_ids(name: str, arguments: str) -> list[int]:
+    return [TOOL_MARK, word_id(name), *text_ids(arguments)]
+
+
+def render_message(m: dict[str, Any]) -> list[int]:
+    ids = [IM_START, ROLE_IDS.get(str(m.get("role")), 15)]
+    ids += text_ids(content_text(m.get("content")))
+    for tc in m.get("tool_calls") or []:
+        fn = tc.get("function") or {}
+        ids += tool_call_ids(str(fn.get("name")), str(fn.get("arguments") or ""))
+    ids.append(IM_END)
+    return ids
+
+
+def render_chat(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a ChatML-like rendering of ``messages``."""
+    ids = [BOS]
+    for m in messages:
+        ids += render_message(m)
+    if add_generation_prompt:
+        ids += [IM_START, ROLE_IDS["assistant"]]
+    return ids
+
+
+def prompt_ids_of(body: dict[str, Any], chat: bool) -> list[int]:
+    if chat:
+        return render_chat(body["messages"], bool(body.get("add_generation_prompt", True)))
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise TypeError("prompt must be a string or a list of token ids")
+    return [BOS, *text_ids(prompt)]
+
+
+def _digest(ids: list[int], salt: int = 0) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(salt.to_bytes(4, "big"))
+    h.update(",".join(map(str, ids)).encode())
+    return int.from_bytes(h.digest(), "big")
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    words: list[str]  # one per non-EOS token (tool calls: the rendered words)
+    finish_reason: str
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return " ".join(self.words)
+
+
+def generate(
+    prompt: list[int], max_tokens: int | None, *, tools: Any = None,
+    wants_tool: bool = False, output_words: int | None = None,
+) -> Generation:
+    """Greedy "decoding": a deterministic function of the prompt ids, ending with EOS."""
+    h = _digest(prompt)
+    if tools and wants_tool:
+        name = str(tools[0].get("function", {}).get("name", "tool"))
+        query = " ".join(VOCAB[(h >> (5 * i)) % len(VOCAB)] for i in range(2))
+        arguments = json.dumps({"query": query})
+        call = {
+            "id": f"chatcmpl-tool-{h % 10**12:012d}",
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+        ids = [*tool_call_ids(name, arguments), EOS]
+        return Generation(ids, ["<tool>", name, *arguments.split()], "tool_calls", [call])
+    n = output_words if output_words is not None else 6 + h % 7
+    words = [VOCAB[_digest(prompt, i + 1) % len(VOCAB)] for i in range(n)]
+    ids = [*(word_id(w) for w in words), EOS]
+    if max_tokens is not None and max_tokens < len(ids):
+        return Generation(ids[:max_tokens], words[:max_tokens], "length")
+    return Generation(ids, words, "stop")
+
+
+# --------------------------------------------------------------------------- NIXL side
+@dataclass
+class Retention:
+    """Blocks one engine holds so that another engine can read them (NIXL)."""
+
+    engine_id: str
+    request_id: str
+    holder: str  # instance name
+    role: str  # "prefill" (P's prompt blocks, for D) | "decode" (D's retained turn, for P)
+    seq: list[int]  # tokens the blocks hold KV for (the first num_tokens are computed)
+    num_tokens: int
+    block_ids: list[int]
+    expiry_perf: float
+    state: str = "held"  # held | consumed | released | expired
+    lease_key: str | None = None
+    renewals: int = 0
+    created_unix_s: float = field(default_factory=time.time)
+    ended_unix_s: float | None = None
+
+    def refresh(self) -> None:
+        if self.state == "held" and time.perf_counter() >= self.expiry_perf:
+            self.end("expired")
+
+    def end(self, state: str) -> None:
+        if self.state == "held":
+            self.state = state
+            self.ended_unix_s = time.time()
+
+    def lease_info(self) -> p.LeaseInfo:
+        self.refresh()
+        remaining = max(0.0, self.expiry_perf - time.perf_counter())
+        state = {"held": p.LeaseState.ACTIVE}.get(self.state) or p.LeaseState(self.state)
+        return p.LeaseInfo(
+            key=self.lease_key or self.request_id,
+            request_id=self.request_id,
+            state=state,
+            retained_blocks=len(self.block_ids) if self.state == "held" else 0,
+            retained_tokens=self.num_tokens if self.state == "held" else 0,
+            deadline_unix_s=time.time() + remaining,
+            remaining_s=remaining,
+            remote_blocks_expiry_time=self.expiry_perf,
+            renewals=self.renewals,
+            created_unix_s=self.created_unix_s,
+            ended_unix_s=self.ended_unix_s,
+        )
+
+
+@dataclass
+class ReadEvent:
+    """One attempt of an engine to read another engine's blocks."""
+
+    reader: str
+    holder_engine: str
+    request_id: str
+    offered_tokens: int
+    read_tokens: int
+    result: str  # read | skipped_below_threshold | refused_expiry | failed | holder_down
+
+
+class Cluster:
+    """State the fakes share: who holds which blocks, every read, every invariant violation."""
+
+    def __init__(self) -> None:
+        self.instances: dict[str, FakeVLLM] = {}  # "host:port" -> instance
+        self.retentions: dict[tuple[str, str], Retention] = {}
+        self.reads: list[ReadEvent] = []
+        self.violations: list[str] = []
+        self._next_block = 1000
+
+    def add(self, inst: FakeVLLM, *hostports: str) -> FakeVLLM:
+        for hp in hostports:
+            self.instances[hp] = inst
+        return inst
+
+    def by_engine(self, engine_id: str) -> FakeVLLM | None:
+        return next((i for i in self.instances.values() if i.engine_id == engine_id), None)
+
+    def allocate_blocks(self, n: int) -> list[int]:
+        ids = list(range(self._next_block, self._next_block + n))
+        self._next_block += n
+        return ids
+
+    def retain(self, inst: FakeVLLM, role: str, request_id: str, seq: list[int],
+               num_tokens: int, ttl_s: float, lease_key: str | None = None) -> Retention:
+        n_blocks = max(1, math.ceil(num_tokens / BLOCK_SIZE))
+        r = Retention(
+            engine_id=inst.engine_id, request_id=request_id, holder=inst.name, role=role,
+            seq=list(seq),
+            num_tokens=num_tokens, block_ids=self.allocate_blocks(n_blocks),
+            expiry_perf=time.perf_counter() + ttl_s, lease_key=lease_key,
+        )
+        self.retentions[(inst.engine_id, request_id)] = r
+        return r
+
+    def read(self, reader: FakeVLLM, params: dict[str, Any], prompt: list[int], *,
+             threshold: int, margin_s: float | None, fail: bool = False) -> ReadEvent:
+        """``reader`` reads what ``params`` offers for ``prompt`` (vLLM's pull path)."""
+        engine, rid = params.get("remote_engine_id"), params.get("remote_request_id")
+        offered = min(int(params.get("remote_num_tokens") or 0), len(prompt))
+        ev = ReadEvent(reader.name, str(engine), str(rid), offered, 0, "read")
+        self.reads.append(ev)
+        r = self.retentions.get((engine, rid))
+        holder = self.by_engine(str(engine))
+        if holder is None or holder.down:
+            ev.result = "holder_down"  # NIXL handshake fails: load failure, recompute
+            return ev
+        if offered <= 0:
+            ev.result = "skipped_below_threshold"
+            return ev
+        if threshold > 0 and offered < threshold:
+            ev.result = "skipped_below_threshold"  # vLLM skips the pull; D is notified
+            if r is not None:
+                r.end("consumed")
+            return ev
+        expiry = params.get("remote_blocks_expiry_time")
+        if margin_s is not None and expiry is not None and expiry - time.perf_counter() < margin_s:
+            ev.result = "refused_expiry"  # vLLM declines to read a handle about to expire
+            return ev
+        if r is None:
+            self.violations.append(f"{reader.name} read unknown blocks {engine}/{rid}")
+            ev.read_tokens = offered
+            return ev
+        r.refresh()
+        if r.state != "held":
+            # One-sided NIXL read of freed (maybe reused) blocks: silently wrong KV.
+            self.violations.append(
+                f"{reader.name} read {r.state} blocks of {r.holder}/{rid} ({offered} tokens)"
+            )
+        if r.seq[:offered] != prompt[:offered]:
+            i = next(i for i, (a, b) in enumerate(zip(r.seq, prompt)) if a != b)
+            self.violations.append(
+                f"{reader.name} read KV of {r.holder}/{rid} that differs from its prompt at "
+                f"token {i} (read {offered})"
+            )
+        # vLLM's worker aligns by taking the LAST n of the handle's block ids.
+        groups = params.get("remote_block_ids")
+        n_blocks = math.ceil(offered / BLOCK_SIZE)
+        if not (isinstance(groups, list) and groups and isinstance(groups[0], list)):
+            self.violations.append(f"{reader.name} got malformed remote_block_ids {groups!r}")
+        elif groups[0][-n_blocks:] != r.block_ids[:n_blocks]:
+            self.violations.append(
+                f"{reader.name} read misaligned blocks of {r.holder}/{rid}: "
+                f"{groups[0][-n_blocks:]} != {r.block_ids[:n_blocks]}"
+            )
+        if fail:
+            ev.result = "failed"
+            return ev
+        ev.read_tokens = offered
+        r.end("consumed")  # single use: the holder frees the blocks once read
+        return ev
+
+
+# --------------------------------------------------------------------------- one instance
+@dataclass
+class Received:
+    endpoint: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+@dataclass
+class Failure:
+    mode: str
+    endpoint: str | None
+    times: int
+    when: Callable[[dict[str, Any]], bool] | None
+
+
+class FakeVLLM:
+    """One fake vLLM OpenAI server (``kv_both``) with the NIXL connector, bidirectional."""
+
+    def __init__(
+        self, cluster: Cluster, name: str, host: str, port: int, *,
+        control: bool = False, side_channel_port: int = 5600,
+        max_model_len: int = MAX_MODEL_LEN, delay_s: float = 0.0, queue_delay_s: float = 0.0,
+        decoder_kv_blocks_ttl_s: float = 480.0, kv_recompute_threshold: int = 16,
+        read_margin_s: float = p.PREFILL_READ_MARGIN_S, kvtether_connector: bool = False,
+        output_words: int | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.name = name
+        self.host = host
+        self.port = port
+        self.url = f"http://{host}:{port}"
+        self.control = control
+        self.control_url = f"http://{host}-control:{port + 1000}" if control else None
+        self.side_channel_port = side_channel_port
+        self.engine_id = f"{name}-{uuid.uuid4()}"
+        self.max_model_len = max_model_len
+        self.delay_s = delay_s  # "compute" time, after reading any remote KV
+        self.queue_delay_s = queue_delay_s  # time waiting to be scheduled, before reading it
+        self.decoder_kv_blocks_ttl_s = decoder_kv_blocks_ttl_s
+        self.kv_recompute_threshold = kv_recompute_threshold
+        self.read_margin_s = read_margin_s
+        self.kvtether_connector = kvtether_connector
+        self.output_words = output_words
+        self.down = False
+        self.unhealthy = False
+        self.pull_failure = False  # reads of decode handles fail (P recomputes)
+        self.local_hit_tokens: Callable[[list[int]], int] = lambda prompt: 0
+
+        self.requests: list[Received] = []  # every completion request, as received
+        self.prefill_handles: list[dict[str, Any] | None] = []  # kv_transfer_params, P legs
+        self.decode_params: list[dict[str, Any]] = []  # kv_transfer_params, D legs
+        self.responses: list[dict[str, Any]] = []  # non-streamed bodies sent
+        self.stream_chunks: list[list[dict[str, Any]]] = []  # streamed chunks sent
+        self.tokenize_calls = 0
+        self.control_calls: list[tuple[str, str]] = []  # (method, path)
+        self.renewals: list[tuple[str, float]] = []
+        self.releases: list[str] = []
+        self.published: dict[str, dict[str, Any]] = {}
+        self._publish_events: dict[str, asyncio.Event] = {}
+        self.leases: dict[str, Retention] = {}
+        self._failures: list[Failure] = []
+        self._hold: asyncio.Event | None = None
+        self.control_down = False  # the control channel refuses connections (engine is up)
+        self._control_failures: list[int] = []  # statuses for the next control calls
+        self.not_retained_keys: set[str] = set()
+        self.holding = False
+        self.inflight = 0
+        self.max_inflight = 0
+
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/v1/chat/completions", self.completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/kvtether/v1/status", self.ctl_status, methods=["GET"]),
+            Route("/kvtether/v1/handles/{key}", self.ctl_handle, methods=["GET"]),
+            Route("/kvtether/v1/leases/{key}", self.ctl_lease, methods=["GET"]),
+            Route("/kvtether/v1/leases/{key}", self.ctl_release, methods=["DELETE"]),
+            Route("/kvtether/v1/leases/{key}/renew", self.ctl_renew, methods=["POST"]),
+        ]
+        self.app = Starlette(routes=routes)
+        self.transport = httpx.ASGITransport(app=self.app)
+
+    # ------------------------------------------------------------------ test controls
+    def fail_next(
+        self, mode: str, *, endpoint: str | None = None, times: int = 1,
+        when: Callable[[dict[str, Any]], bool] | None = None,
+    ) -> None:
+        """Make the next ``times`` completion requests (optionally only on ``endpoint`` and
+        only those for which ``when(body)``) fail with ``mode``:
+
+        ``500`` (vLLM InternalServerError), ``500_after_read`` (reads the handle it was given,
+        then fails), ``400`` (vLLM BadRequestError), ``object_error`` (the older
+        ``{"object": "error", ...}`` shape), ``hang``, ``no_kv_params`` (200 without
+        ``kv_transfer_params``), ``garbage`` (200, not JSON), ``flat_block_ids`` (decode handle
+        with ``remote_block_ids`` not nested per KV cache group), ``no_handle`` (finished
+        without retaining, as after an abort), ``stream_error`` (a streamed answer that
+        breaks off with vLLM's in-stream ``data: {"error": ...}`` chunk; nothing retained).
+        """
+        self._failures.append(Failure(mode, endpoint, times, when))
+
+    def fail_control_next(self, status: int = 500, times: int = 1) -> None:
+        """The next ``times`` control-channel calls answer ``status``."""
+        self._control_failures += [status] * times
+
+    def hold_next(self) -> asyncio.Event:
+        """The next completion request waits (as in the scheduler's queue, before reading any
+        remote KV) until the returned event is set; ``holding`` is true while it waits."""
+        self._hold = asyncio.Event()
+        return self._hold
+
+    def _take_failure(self, endpoint: str, body: dict[str, Any]) -> str | None:
+        for f in self._failures:
+            if f.times <= 0 or (f.endpoint and f.endpoint != endpoint):
+                continue
+            if f.when is not None and not f.when(body):
+                continue
+            f.times -= 1
+            return f.mode
+        return None
+
+    @property
+    def prefill_requests(self) -> list[Received]:
+        return [r for r in self.requests if _is_prefill(r.body)]
+
+    @property
+    def decode_requests(self) -> list[Received]:
+        return [r for r in self.requests if not _is_prefill(r.body)]
+
+    # ------------------------------------------------------------------ endpoints
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=503 if self.unhealthy else 200)
+
+    async def models(self, request: Request) -> Response:
+        now = int(time.time())
+        return JSONResponse({
+            "object": "list",
+            "data": [{
+                "id": MODEL, "object": "model", "created": now, "owned_by": "vllm",
+                "root": f"/models/{MODEL}", "parent": None, "max_model_len": self.max_model_len,
+                "permission": [{
+                    "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+                    "created": now, "allow_create_engine": False, "allow_sampling": True,
+                    "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                    "allow_fine_tuning": False, "organization": "*", "group": None,
+                    "is_blocking": False,
+                }],
+            }],
+        })
+
+    async def tokenize(self, request: Request) -> Response:
+        self.tokenize_calls += 1
+        body = await request.json()
+        try:
+            if body.get("model") not in (None, MODEL):
+                return _model_not_found(body["model"])
+            ids = prompt_ids_of(body, chat="messages" in body)
+        except (KeyError, ValueError, TypeError) as exc:
+            return vllm_error(f"invalid tokenize request: {exc!r}")
+        return JSONResponse({"count": len(ids), "max_model_len": self.max_model_len,
+                             "tokens": ids, "token_strs": None})
+
+    async def completions(self, request: Request) -> Response:
+        endpoint = request.url.path
+        chat = endpoint == "/v1/chat/completions"
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as exc:
+            return vllm_error(f"JSON decode error: {exc}")
+        self.requests.append(Received(endpoint, body, dict(request.headers)))
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        try:
+            return await self._complete(request, endpoint, chat, body)
+        finally:
+            self.inflight -= 1
+
+    async def _complete(self, request: Request, endpoint: str, chat: bool,
+                        body: dict[str, Any]) -> Response:
+        failure = self._take_failure(endpoint, body)
+        if failure == "500":
+            return vllm_error("EngineCore encountered an issue.", "InternalServerError", 500)
+        if failure == "hang":
+            await asyncio.sleep(3600)
+        if failure == "garbage":
+            return Response(b"<html>502 Bad Gateway</html>", media_type="text/html")
+        if failure == "object_error":
+            return JSONResponse({"object": "error", "message": "bad request (old shape)",
+                                 "type": "BadRequestError", "param": None, "code": 400},
+                                status_code=400)
+        if failure == "400":
+            return vllm_error("a vLLM validation error (parameter=temperature)",
+                              param="temperature")
+
+        if body.get("model") not in (None, MODEL):
+            return _model_not_found(body["model"])
+        if chat and not isinstance(body.get("messages"), list):
+            return vllm_error("messages: Field required", param="messages")
+        if not chat and "prompt" not in body:
+            return vllm_error("prompt: Field required", param="prompt")
+        try:
+            prompt = prompt_ids_of(body, chat)
+        except (ValueError, TypeError, KeyError) as exc:
+            return vllm_error(str(exc))
+        if len(prompt) > self.max_model_len:
+            return vllm_error(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt contains {len(prompt)} input tokens, which exceeds this limit "
+                f"even without any output tokens. Please reduce the length of the input "
+                f"prompt. (parameter=input_tokens, value={len(prompt)})",
+                param="input_tokens",
+            )
+
+        # vLLM: "<prefix>-<X-Request-Id>-<random>"; both legs of a turn share the header.
+        base_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{base_id}-{uuid.uuid4().hex[:8]}"
+        kvp = body.get("kv_transfer_params")
+        kvp = kvp if isinstance(kvp, dict) else None
+        is_prefill = bool(kvp and kvp.get("do_remote_decode"))
+        is_decode = bool(kvp and kvp.get("do_remote_prefill"))
+        cached = 0
+        read: ReadEvent | None = None
+        if self.queue_delay_s:
+            await asyncio.sleep(self.queue_delay_s)
+        hold, self._hold = self._hold, None
+        if hold is not None:
+            self.holding = True
+            await hold.wait()
+            self.holding = False
+        if is_prefill:
+            self.prefill_handles.append(dict(kvp) if kvp.get("remote_block_ids") else None)
+            if kvp.get("remote_block_ids"):
+                read = self.cluster.read(
+                    self, kvp, prompt, threshold=self.kv_recompute_threshold,
+                    margin_s=self.read_margin_s, fail=self.pull_failure,
+                )
+                cached = read.read_tokens
+            cached = max(cached, min(self.local_hit_tokens(prompt), len(prompt) - 1))
+        elif is_decode:
+            self.decode_params.append(dict(kvp))
+            if kvp.get("remote_block_ids"):
+                ev = self.cluster.read(self, kvp, prompt, threshold=0, margin_s=None)
+                if ev.result != "read":
+                    self.cluster.violations.append(
+                        f"{self.name}: decode leg could not read the prefill's KV ({ev.result})"
+                    )
+        if failure == "500_after_read":
+            return vllm_error("EngineCore encountered an issue.", "InternalServerError", 500)
+
+        last = (body.get("messages") or [{}])[-1] if chat else {}
+        wants_tool = last.get("role") == "user" and "use_tool" in content_text(last.get("content"))
+        max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+        gen = generate(prompt, max_tokens, tools=body.get("tools") if chat else None,
+                       wants_tool=wants_tool, output_words=self.output_words)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+
+        kv_out: dict[str, Any] | None = None
+        if is_prefill:
+            r = self.cluster.retain(self, "prefill", request_id, prompt, len(prompt),
+                                    ttl_s=30.0)
+            kv_out = self._handle(r, do_remote_prefill=True)
+            kv_out["remote_prefill_cached_tokens"] = cached
+            if self.kvtether_connector and read is not None:
+                kv_out.update({
+                    p.KV_PARAM_PULL: "pulled" if read.read_tokens else (
+                        "failed" if read.result in ("failed", "refused_expiry", "holder_down")
+                        else "below_threshold"),
+                    p.KV_PARAM_REUSED_TOKENS: read.read_tokens,
+                    p.KV_PARAM_REMOTE_TOKENS: read.offered_tokens,
+                    p.KV_PARAM_PREFIX_MATCH_TOKENS: read.offered_tokens,
+                    p.KV_PARAM_PREFIX_BREAK: False,
+                })
+        elif is_decode and failure not in ("no_handle", "stream_error"):
+            seq = prompt + gen.token_ids
+            key = kvp.get(p.KV_PARAM_HANDLE_KEY) if self.control else None
+            ttl = float(kvp.get(p.KV_PARAM_LEASE_TTL_S) or self.decoder_kv_blocks_ttl_s) \
+                if key else self.decoder_kv_blocks_ttl_s
+            r = self.cluster.retain(self, "decode", request_id, seq, len(seq) - 1, ttl_s=ttl,
+                                    lease_key=key)
+            kv_out = self._handle(r, do_remote_prefill=False)
+            if failure == "flat_block_ids":
+                kv_out["remote_block_ids"] = list(r.block_ids)
+            if key:
+                kv_out[p.KV_PARAM_LEASE_KEY] = key
+                self.leases[key] = r
+        if failure == "no_kv_params":
+            kv_out = None
+
+        if body.get("stream"):
+            return StreamingResponse(
+                self._stream(body, chat, request_id, prompt, gen, kv_out,
+                             error=failure == "stream_error"),
+                media_type="text/event-stream",
+            )
+        if is_decode:
+            self._publish((kvp or {}).get(p.KV_PARAM_HANDLE_KEY) if self.control else None,
+                          kv_out)
+        data = self._response(body, chat, request_id, prompt, gen, kv_out, cached)
+        self.responses.append(data)
+        return JSONResponse(data)
+
+    def _handle(self, r: Retention, *, do_remote_prefill: bool) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": do_remote_prefill,
+            "do_remote_decode": not do_remote_prefill,
+            "remote_block_ids": [list(r.block_ids)],
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": r.request_id,
+            "remote_host": self.host,
+            "remote_port": self.side_channel_port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": r.num_tokens,
+            "remote_blocks_expiry_time": None if do_remote_prefill else r.expiry_perf,
+            "transfer_mode": "pull",
+        }
+
+    def _publish(self, key: str | None, kv_out: dict[str, Any] | None) -> None:
+        """The connector publishes a finished request's handle (or that it kept nothing)."""
+        if not key:
+            return
+        if kv_out is None:
+            self.not_retained_keys.add(key)
+        else:
+            self.published[key] = kv_out
+        self._publish_events.setdefault(key, asyncio.Event()).set()
+
+    def _usage(self, prompt: list[int], gen: Generation, cached: int = 0) -> dict[str, Any]:
+        return {
+            "prompt_tokens": len(prompt),
+            "total_tokens": len(prompt) + len(gen.token_ids),
+            "completion_tokens": len(gen.token_ids),
+            "prompt_tokens_details": {"cached_tokens": cached} if cached else None,
+        }
+
+    def _response(self, body, chat, request_id, prompt, gen, kv_out, cached) -> dict[str, Any]:
+        ids = bool(body.get("return_token_ids"))
+        base = {"id": request_id, "created": int(time.time()), "model": MODEL}
+        if chat:
+            message: dict[str, Any] = {
+                "role": "assistant", "content": None if gen.tool_calls else gen.text,
+                "refusal": None, "annotations": None, "audio": None, "function_call": None,
+                "reasoning": None,
+            }
+            if gen.tool_calls:
+                message["tool_calls"] = gen.tool_calls
+            return {
+                **base, "object": "chat.completion",
+                "choices": [{
+                    "index": 0, "message": message, "logprobs": None,
+                    "finish_reason": gen.finish_reason, "stop_reason": None,
+                    "token_ids": gen.token_ids if ids else None, "routed_experts": None,
+                }],
+                "service_tier": None, "system_fingerprint": None,
+                "usage": self._usage(prompt, gen, cached),
+                "prompt_logprobs": None,
+                "prompt_token_ids": prompt if ids else None,
+                "prompt_text": None,
+                "kv_transfer_params": kv_out,
+                "ec_transfer_params": None,
+                "metrics": None,
+            }
+        return {
+            **base, "object": "text_completion",
+            "choices": [{
+                "index": 0, "text": " " + gen.text if gen.words else "", "logprobs": None,
+                "finish_reason": gen.finish_reason, "stop_reason": None,
+                "token_ids": gen.token_ids if ids else None, "prompt_logprobs": None,
+                "prompt_token_ids": prompt if ids else None, "routed_experts": None,
+            }],
+            "service_tier": None, "system_fingerprint": None,
+            "usage": self._usage(prompt, gen, cached),
+            "kv_transfer_params": kv_out,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+
+    async def _stream(self, body, chat, request_id, prompt, gen, kv_out,
+                      error: bool = False) -> AsyncIterator[str]:
+        ids = bool(body.get("return_token_ids"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        created = int(time.time())
+        sent: list[dict[str, Any]] = []
+        self.stream_chunks.append(sent)
+
+        def emit(chunk: dict[str, Any]) -> str:
+            sent.append(chunk)
+            return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": request_id, "object": obj, "created": created, "model": MODEL}
+        kvp = body.get("kv_transfer_params") or {}
+        key = kvp.get(p.KV_PARAM_HANDLE_KEY) if self.control else None
+        if error:
+            # vLLM: an engine error mid-stream becomes one error chunk, then [DONE].
+            first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                               "content": ""},
+                                          "logprobs": None, "finish_reason": None}]}
+            yield emit(first)
+            yield emit({"error": {"message": "EngineCore encountered an issue.",
+                                  "type": "InternalServerError", "param": None, "code": 500}})
+            self._publish(key, None)
+            yield "data: [DONE]\n\n"
+            return
+        n = len(gen.token_ids)
+        if chat:
+            first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                               "content": ""},
+                                          "logprobs": None, "finish_reason": None}]}
+            if ids:
+                first["prompt_token_ids"] = prompt
+            yield emit(first)
+            if gen.tool_calls:
+                tc = gen.tool_calls[0]
+                delta = {"tool_calls": [{"index": 0, "id": tc["id"], "type": "function",
+                                         "function": tc["function"]}]}
+                choice = {"index": 0, "delta": delta, "logprobs": None,
+                          "finish_reason": "tool_calls", "stop_reason": None}
+                if ids:
+                    choice["token_ids"] = gen.token_ids
+                yield emit({**head, "choices": [choice]})
+            else:
+                for i, tok in enumerate(gen.token_ids):
+                    last = i == n - 1
+                    word = gen.words[i] if i < len(gen.words) else ""
+                    delta = {"content": (" " if i else "") + word} if word else {}
+                    choice = {"index": 0, "delta": delta, "logprobs": None,
+                              "finish_reason": gen.finish_reason if last else None}
+                    if last:
+                        choice["stop_reason"] = None
+                    if ids:
+                        choice["token_ids"] = [tok]
+                    yield emit({**head, "choices": [choice]})
+                    await asyncio.sleep(0)
+        else:
+            for i, tok in enumerate(gen.token_ids):
+                last = i == n - 1
+                word = gen.words[i] if i < len(gen.words) else ""
+                choice = {"index": 0, "text": (" " + word) if word else "", "logprobs": None,
+                          "finish_reason": gen.finish_reason if last else None,
+                          "stop_reason": None}
+                if ids:
+                    if i == 0:
+                        choice["prompt_token_ids"] = prompt
+                    choice["token_ids"] = [tok]
+                yield emit({**head, "choices": [choice]})
+                await asyncio.sleep(0)
+        # The request finished on the engine: the connector publishes the handle.
+        self._publish(key, kv_out)
+        if include_usage:
+            yield emit({**head, "choices": [], "usage": self._usage(prompt, gen)})
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ control channel
+    def _ctl(self, request: Request) -> Response | None:
+        self.control_calls.append((request.method, request.url.path))
+        if self._control_failures:
+            status = self._control_failures.pop(0)
+            return JSONResponse(p.error_body("control channel failure", "server_error"),
+                                status_code=status)
+        return None
+
+    def _ctl_gone(self, r: Retention) -> Response:
+        info = r.lease_info()
+        body = p.error_body(f"lease {info.key} ended: {info.state.value}", "gone_error",
+                            code=info.state.value)
+        body["lease"] = info.model_dump(mode="json")
+        return JSONResponse(body, status_code=410)
+
+    async def ctl_status(self, request: Request) -> Response:
+        if (failed := self._ctl(request)) is not None:
+            return failed
+        held = self.held_leases()
+        return JSONResponse(p.ConnectorStatus(
+            engine_id=self.engine_id, role="kv_both", vllm_version="0.32.0",
+            block_size=BLOCK_SIZE, default_lease_ttl_s=60.0, max_lease_ttl_s=900.0,
+            totals=p.LeaseTotals(active_leases=len(held),
+                                 retained_blocks=sum(len(r.block_ids) for r in held),
+                                 retained_tokens=sum(r.num_tokens for r in held)),
+            counters={}, unix_time=time.time(), perf_counter=time.perf_counter(),
+        ).model_dump(mode="json"))
+
+    async def ctl_handle(self, request: Request) -> Response:
+        if (failed := self._ctl(request)) is not None:
+            return failed
+        key = request.path_params["key"]
+        wait_s = float(request.query_params.get("wait_s", "0"))
+        if key not in self.published:
+            ev = self._publish_events.setdefault(key, asyncio.Event())
+            try:
+                await asyncio.wait_for(ev.wait(), wait_s)
+            except asyncio.TimeoutError:
+                return JSONResponse(p.error_body(f"no handle {key}", "not_found_error"),
+                                    status_code=404)
+        if key in self.not_retained_keys:
+            now = time.time()
+            body = p.error_body(f"request {key} ended without retaining KV", "gone_error",
+                                code=p.LeaseState.NOT_RETAINED.value)
+            body["lease"] = p.LeaseInfo(
+                key=key, request_id=key, state=p.LeaseState.NOT_RETAINED, retained_blocks=0,
+                retained_tokens=0, deadline_unix_s=now, remaining_s=0.0,
+                remote_blocks_expiry_time=time.perf_counter(), created_unix_s=now,
+                ended_unix_s=now,
+            ).model_dump(mode="json")
+            return JSONResponse(body, status_code=410)
+        r = self.leases.get(key)
+        if r is None:
+            return JSONResponse(p.error_body(f"no lease {key}", "not_found_error"),
+                                status_code=404)
+        r.refresh()
+        if r.state != "held":
+            return self._ctl_gone(r)
+        params = dict(self.published[key])
+        params["remote_blocks_expiry_time"] = r.expiry_perf
+        return JSONResponse(p.HandleResponse(key=key, lease=r.lease_info(),
+                                             kv_transfer_params=params).model_dump(mode="json"))
+
+    async def ctl_lease(self, request: Request) -> Response:
+        if (failed := self._ctl(request)) is not None:
+            return failed
+        r = self.leases.get(request.path_params["key"])
+        if r is None:
+            return JSONResponse(p.error_body("no such lease", "not_found_error"), status_code=404)
+        return JSONResponse(r.lease_info().model_dump(mode="json"))
+
+    async def ctl_renew(self, request: Request) -> Response:
+        if (failed := self._ctl(request)) is not None:
+            return failed
+        key = request.path_params["key"]
+        r = self.leases.get(key)
+        if r is None:
+            return JSONResponse(p.error_body("no such lease", "not_found_error"), status_code=404)
+        try:
+            req = p.LeaseRenewRequest.model_validate(await request.json())
+        except (ValueError, json.JSONDecodeError) as exc:
+            return JSONResponse(p.error_body(str(exc), "invalid_request_error"), status_code=422)
+        r.refresh()
+        if r.state != "held":
+            return self._ctl_gone(r)
+        r.expiry_perf = max(r.expiry_perf, time.perf_counter() + req.ttl_s)
+        r.renewals += 1
+        self.renewals.append((key, req.ttl_s))
+        return JSONResponse(r.lease_info().model_dump(mode="json"))
+
+    async def ctl_release(self, request: Request) -> Response:
+        if (failed := self._ctl(request)) is not None:
+            return failed
+        key = request.path_params["key"]
+        r = self.leases.get(key)
+        if r is None:
+            return JSONResponse(p.error_body("no such lease", "not_found_error"), status_code=404)
+        self.releases.append(key)
+        r.end("released")
+        return JSONResponse(r.lease_info().model_dump(mode="json"))
+
+    def held_leases(self) -> list[Retention]:
+        """Decode-side retentions still holding blocks (with or without a lease key)."""
+        out = []
+        for r in self.cluster.retentions.values():
+            if r.holder == self.name and r.role == "decode":
+                r.refresh()
+                if r.state == "held":
+                    out.append(r)
+        return out
+
+
+def _is_prefill(body: dict[str, Any]) -> bool:
+    kvp = body.get("kv_transfer_params")
+    return isinstance(kvp, dict) and bool(kvp.get("do_remote_decode"))
+
+
+def vllm_error(message: str, err_type: str = "BadRequestError", status: int = 400,
+               param: str | None = None) -> JSONResponse:
+    """vLLM 0.32's ``ErrorResponse``: ``{"error": {message, type, param, code: <int>}}``."""
+    return JSONResponse(
+        {"error": {"message": message, "type": err_type, "param": param, "code": status}},
+        status_code=status,
+    )
+
+
+def _model_not_found(model: Any) -> JSONResponse:
+    return vllm_error(f"The model `{model}` does not exist.", "NotFoundError", 404)
+
+
+# --------------------------------------------------------------------------- transport
+class SocketLikeStream(httpx.AsyncByteStream):
+    """A response body that behaves like one read from a socket: every chunk and the close
+    are await points (``httpx.ASGITransport`` hands back a fully buffered body that never
+    yields, which would hide cancellation bugs)."""
+
+    def __init__(self, inner: httpx.AsyncByteStream) -> None:
+        self._inner = inner
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._inner:
+            await asyncio.sleep(0)
+            yield chunk
+
+    async def aclose(self) -> None:
+        await asyncio.sleep(0)
+        await self._inner.aclose()
+
+
+class RoutingTransport(httpx.AsyncBaseTransport):
+    """Dispatches each request by URL ``host:port`` to that instance's ASGI app.
+
+    A missing or ``down`` instance refuses the connection (``httpx.ConnectError``). The read
+    timeout the client set is enforced (``httpx.ReadTimeout``), as a socket would.
+    """
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.requests = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.requests += 1
+        hostport = f"{request.url.host}:{request.url.port}"
+        inst = self.cluster.instances.get(hostport)
+        is_control = inst is not None and hostport != f"{inst.host}:{inst.port}"
+        if inst is None or inst.down or (is_control and inst.control_down):
+            raise httpx.ConnectError(f"[Errno 111] Connection refused ({hostport})",
+                                     request=request)
+        timeout = (request.extensions.get("timeout") or {}).get("read")
+        try:
+            r = await asyncio.wait_for(inst.transport.handle_async_request(request), timeout)
+        except asyncio.TimeoutError:
+            raise httpx.ReadTimeout(f"timed out after {timeout}s ({hostport})",
+                                    request=request) from None
+        assert isinstance(r.stream, httpx.AsyncByteStream)
+        return httpx.Response(r.status_code, headers=r.headers, stream=SocketLikeStream(r.stream),
+                              extensions=r.extensions)

@@ -1,0 +1,136 @@
+"""The life of a decode handle: single use, owned, released, reported honestly."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvtether import protocol as p
+
+from .conftest import Harness, make_router
+from .fake_vllm import BLOCK_SIZE
+
+
+async def test_each_handle_forwarded_at_most_once(hx: Harness) -> None:
+    a = hx.conversation("once")
+    for i in range(5):
+        await a.say(f"turn {i}", stream=(i == 2))
+    fwd = [(h["remote_engine_id"], h["remote_request_id"])
+           for h in hx.p.prefill_handles if h is not None]
+    assert len(fwd) == len(set(fwd))
+    hx.assert_kv_correct()
+
+
+async def test_prefill_rejection_keeps_the_handle(h: Harness) -> None:
+    """A 4xx from P means vLLM rejected the request before scheduling it: the handle was not
+    read and still fires next turn."""
+    a = h.conversation("keep")
+    await a.say("one")
+    h.p.fail_next("400")
+    await a.say("two", expect=400)
+    t = await a.say("two again")
+    assert t.outcome == "fired"
+    h.assert_kv_correct()
+
+
+async def test_handle_not_reused_after_prefill_failed_mid_request(h: Harness) -> None:
+    a = h.conversation("reuse-after-500")
+    await a.say("one")
+    h.p.fail_next("500_after_read")
+    await a.say("two", expect=500)
+    await a.say("two again")
+    h.assert_kv_correct()
+
+
+async def test_failed_pull_reported_when_prefix_cache_hides_it() -> None:
+    async with make_router(fake={"kvtether_connector": True}) as h:
+        a = h.conversation("hidden")
+        t1 = await a.say("one")
+        # P's own prefix cache holds turn 1's prompt (it prefilled it); the pull of the rest
+        # (turn 1's answer) fails and P recomputes it.
+        prompt1 = t1.usage["prompt_tokens"]
+        h.p.local_hit_tokens = lambda prompt: prompt1 // BLOCK_SIZE * BLOCK_SIZE
+        h.p.pull_failure = True
+        t2 = await a.say("two")
+        assert h.p.responses[-1]["kv_transfer_params"][p.KV_PARAM_PULL] == "failed"
+        assert t2.outcome == "miss:transfer_failed"
+
+
+async def test_failed_pull_detected_from_cached_tokens(h: Harness) -> None:
+    a = h.conversation("failed")
+    await a.say("one")
+    h.p.pull_failure = True
+    t = await a.say("two")
+    assert t.outcome == "miss:transfer_failed"
+    assert t.reused == 0
+    h.p.pull_failure = False
+    assert (await a.say("three")).outcome == "fired"
+
+
+async def test_evicted_conversation_releases_its_kv() -> None:
+    async with make_router(control=True, max_conversations=1) as h:
+        a, b = h.conversation("old"), h.conversation("new")
+        await a.say("one")
+        old_key = h.d.decode_params[-1][p.KV_PARAM_HANDLE_KEY]
+        await b.say("one")
+        assert (await h.client.get("/v1/sessions/old")).status_code == 404
+        assert old_key in h.d.releases
+        assert await h.metric("kvtether_active_leases") == 1
+
+
+async def test_budget_evicts_to_stay_under_cap() -> None:
+    async with make_router(control=True) as h:
+        a, b = h.conversation("a"), h.conversation("b")
+        await a.say("one")
+        held = h.d.held_leases()[0].num_tokens
+        # Room for one conversation's KV only.
+        h.app.state.runner.s.max_retained_tokens = held + 20
+        await b.say("one")
+        a_key = h.d.decode_params[0][p.KV_PARAM_HANDLE_KEY]
+        assert h.d.releases == [a_key]
+        assert [r.lease_key for r in h.d.held_leases()] == [
+            h.d.decode_params[-1][p.KV_PARAM_HANDLE_KEY]]
+        status = (await h.client.get("/v1/sessions/a")).json()
+        assert status["lease_state"] == "evicted"
+        hb = await h.client.post("/v1/sessions/a/heartbeat", json={})
+        assert hb.status_code == 410 and hb.json()["error"]["code"] == "lease_evicted"
+        t = await a.say("two")
+        assert t.outcome == "miss:evicted"
+        assert await h.metric("kvtether_lease_events_total", 'event="evicted"') >= 1
+        h.assert_kv_correct()
+
+
+async def test_budget_evicts_idle_sessions_first() -> None:
+    async with make_router(control=True) as h:
+        busy, idle, new = h.conversation("busy"), h.conversation("idle"), h.conversation("new")
+        await busy.say("one", kvtether_hints={"phase": "tool_running"})
+        await idle.say("one", kvtether_hints={"phase": "idle"})
+        per_conv = max(r.num_tokens for r in h.d.held_leases())
+        h.app.state.runner.s.max_retained_tokens = 2 * per_conv + 20
+        await new.say("one")
+        states = {cid: (await h.client.get(f"/v1/sessions/{cid}")).json()["lease_state"]
+                  for cid in ("busy", "idle", "new")}
+        assert states == {"busy": "active", "idle": "evicted", "new": "active"}
+
+
+@pytest.mark.parametrize("how", ["budget", "delete"])
+async def test_no_release_of_a_handle_in_flight(how: str) -> None:
+    async with make_router(control=True) as h:
+        a, b = h.conversation("a"), h.conversation("b")
+        await a.say("one")
+        h.app.state.runner.s.max_retained_tokens = h.d.held_leases()[0].num_tokens + 20
+        gate = h.p.hold_next()  # a's next prefill waits in P's queue with a's handle
+        a_turn = asyncio.create_task(a.say("two"))
+        for _ in range(1000):
+            if h.p.holding:
+                break
+            await asyncio.sleep(0.005)
+        assert h.p.holding
+        if how == "budget":
+            await b.say("one")  # b's retention pushes D over its budget
+        else:
+            await h.client.delete("/v1/sessions/a")
+        gate.set()
+        await a_turn
+        h.assert_kv_correct()

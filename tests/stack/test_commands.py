@@ -1,0 +1,117 @@
+"""The real command lines: what vLLM and the router are started with."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic_settings import CliApp
+
+from kvtether.cli import RouterCommand
+from kvtether.stack._commands import InstancePlan, VllmCommands
+from kvtether.stack.settings import StackSettings
+
+
+def _plan(role: str = "prefill", **kw: object) -> InstancePlan:
+    base = dict(
+        name=f"{role}-0",
+        role=role,
+        host="127.0.0.1",
+        port=8100,
+        log_path=Path("x.log"),
+        model_dir=Path("/models/tiny"),
+        served_model_name="tiny",
+        side_channel_port=5600,
+        control_port=5900,
+    )
+    return InstancePlan(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_vllm_instance_command_line() -> None:
+    cmd = VllmCommands("py").command(_plan(), StackSettings(lease_ttl_s=10))
+    argv = cmd.argv
+    assert argv[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert _flag(argv, "--model") == "/models/tiny"
+    assert _flag(argv, "--served-model-name") == "tiny"
+    assert (_flag(argv, "--port"), _flag(argv, "--host")) == ("8100", "127.0.0.1")
+    assert (_flag(argv, "--dtype"), _flag(argv, "--block-size")) == ("float32", "32")
+    assert _flag(argv, "--max-model-len") == "4096"
+    assert "--enforce-eager" in argv and "--no-enable-prefix-caching" not in argv
+    assert json.loads(_flag(argv, "--kv-transfer-config")) == {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "bidirectional_kv_xfer": True,
+            "kv_recompute_threshold": 16,
+            "decoder_kv_blocks_ttl": 480,
+            "kv_lease_duration": 120,
+        },
+    }
+    assert cmd.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+    assert cmd.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    assert cmd.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_kvtether_connector_is_a_one_setting_switch() -> None:
+    settings = StackSettings(connector="kvtether", lease_ttl_s=10, max_retained_tokens=5000)
+    cmd = VllmCommands().command(_plan("decode"), settings)
+    config = json.loads(_flag(cmd.argv, "--kv-transfer-config"))
+    assert config["kv_connector"] == "NixlConnector"
+    assert config["kv_connector_module_path"] == "kvtether.connector.nixl"
+    extra = config["kv_connector_extra_config"]
+    assert extra["kvtether_lease_ttl_s"] == 10
+    # The budget is the router's: a connector-side eviction it did not see would let it
+    # forward a handle to freed blocks.
+    assert "kvtether_max_retained_tokens" not in extra
+    assert (extra["kvtether_role"], extra["kvtether_control_port"]) == ("decode", 5900)
+    assert cmd.env["KVTETHER_CONTROL_PORT"] == "5900"
+
+
+def test_reference_has_no_transfer_and_no_prefix_cache() -> None:
+    cmd = VllmCommands().command(_plan("reference", side_channel_port=None), StackSettings())
+    assert "--no-enable-prefix-caching" in cmd.argv
+    assert "--kv-transfer-config" not in cmd.argv
+    assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in cmd.env
+
+
+def test_gpu_profile_command_line() -> None:
+    settings = StackSettings(profile="gpu", gpu_ids=[0, 1])
+    cmd = VllmCommands().command(_plan(gpu_id=1, gpu_memory_utilization=0.4), settings)
+    assert "--enforce-eager" not in cmd.argv
+    assert _flag(cmd.argv, "--gpu-memory-utilization") == "0.4"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in cmd.env
+    assert cmd.env["CUDA_VISIBLE_DEVICES"] == "1"
+    config = json.loads(_flag(cmd.argv, "--kv-transfer-config"))
+    assert config["kv_buffer_device"] == "cuda"
+
+
+def test_extra_vllm_args_are_appended() -> None:
+    cmd = VllmCommands().command(_plan(), StackSettings(extra_vllm_args=["--seed", "7"]))
+    assert cmd.argv[-2:] == ["--seed", "7"]
+
+
+def test_router_command_parses_back_into_router_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = InstancePlan(
+        name="router",
+        role="router",
+        host="127.0.0.1",
+        port=8000,
+        log_path=Path("r.log"),
+        prefill_urls=("http://127.0.0.1:8100",),
+        decode_urls=("http://127.0.0.1:8101", "http://127.0.0.1:8102"),
+    )
+    settings = StackSettings(block_size_tokens=32, decoder_kv_blocks_ttl_s=120)
+    argv = VllmCommands("py").command(plan, settings).argv
+    assert argv[:4] == ["py", "-m", "kvtether", "router"]
+    parsed = CliApp.run(RouterCommand, cli_args=argv[4:], cli_cmd_method_name="no_such_method")
+    assert parsed.prefill_urls == ["http://127.0.0.1:8100"]
+    assert parsed.decode_urls == ["http://127.0.0.1:8101", "http://127.0.0.1:8102"]
+    assert (parsed.port, parsed.kv_block_size_tokens) == (8000, 32)
+    assert (parsed.decoder_kv_blocks_ttl_s, parsed.kv_recompute_threshold_tokens) == (120, 16)

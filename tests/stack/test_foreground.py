@@ -1,0 +1,146 @@
+"""`kvtether stack up` in the foreground (fake instances): Ctrl-C, SIGTERM, `stack down` from
+another shell, a crash of the `up` process itself, and an instance dying while up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvtether.stack._state import load_state, state_path
+from kvtether.stack.launcher import stack_down
+from kvtether.stack.settings import StackSettings
+
+from .stack_fakes import all_dead, pids_from
+
+DRIVER = Path(__file__).with_name("fake_stack_up.py")
+
+
+def _terminal_signals() -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class Foreground:
+    def __init__(self, settings: StackSettings, tmp_path: Path, **behaviour: dict[str, str]):
+        self.settings = settings
+        self.pid_file = tmp_path / "pids"
+        self.out = tmp_path / "up.out"
+        env_all = {"FAKE_CHILD": "1", "FAKE_PID_FILE": str(self.pid_file)}
+        behaviour = {**behaviour, "*": {**env_all, **behaviour.get("all", {})}}
+        with open(self.out, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(DRIVER), settings.model_dump_json(), json.dumps(behaviour)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=DRIVER.parent,
+                # As from a terminal: a test run under nohup, or as a background job, would
+                # pass SIGHUP or SIGINT on as ignored.
+                preexec_fn=_terminal_signals,
+            )
+
+    def wait_running(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            state = load_state(self.settings.state_dir)
+            if state is not None and state.phase == "running":
+                return
+            assert self.proc.poll() is None, self.output()
+            time.sleep(0.1)
+        raise AssertionError("stack never came up:\n" + self.output())
+
+    def exit_code(self, timeout_s: float = 60) -> int:
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()  # and its stack: never leave fakes behind for the next test
+            stack_down(self.settings.state_dir, stop_timeout_s=3)
+            raise AssertionError(f"`stack up` did not exit in {timeout_s} s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.out.read_text()
+
+    def pids(self) -> list[int]:
+        return pids_from(self.pid_file)
+
+
+def _eventually_dead(pids: list[int], timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not all_dead(pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_signal_stops_everything(sig: int, fake_settings: StackSettings, tmp_path: Path) -> None:
+    up = Foreground(fake_settings, tmp_path)
+    up.wait_running()
+    pids = up.pids()
+    assert len(pids) == 6
+    up.proc.send_signal(sig)
+    assert up.exit_code() == 0, up.output()
+    assert all_dead(pids)
+    assert not state_path(fake_settings.state_dir).exists()
+    assert "stopped" in up.output()
+
+
+def test_stack_down_from_another_shell_stops_a_foreground_stack(
+    fake_settings: StackSettings, tmp_path: Path
+) -> None:
+    up = Foreground(fake_settings, tmp_path)
+    up.wait_running()
+    stack_down(fake_settings.state_dir, stop_timeout_s=3)
+    assert up.exit_code() == 0, up.output()
+    assert all_dead(up.pids())
+
+
+def test_killed_up_process_takes_its_instances_along(
+    fake_settings: StackSettings, tmp_path: Path
+) -> None:
+    up = Foreground(fake_settings, tmp_path)
+    up.wait_running()
+    os.kill(up.proc.pid, signal.SIGKILL)
+    up.exit_code()
+    assert _eventually_dead(up.pids())
+    stack_down(fake_settings.state_dir)  # cleans the leftover state file
+    assert not state_path(fake_settings.state_dir).exists()
+
+
+def test_instance_crash_stops_the_stack(fake_settings: StackSettings, tmp_path: Path) -> None:
+    up = Foreground(fake_settings, tmp_path)
+    up.wait_running()
+    decode = next(p for p in load_state(fake_settings.state_dir).processes if p.name == "decode-0")  # type: ignore[union-attr]
+    os.kill(decode.pid, signal.SIGKILL)
+    assert up.exit_code() == 1, up.output()
+    assert "decode-0 exited unexpectedly" in up.output()
+    assert all_dead(up.pids()), up.output()
+
+
+def test_ctrl_c_while_starting(fake_settings: StackSettings, tmp_path: Path) -> None:
+    up = Foreground(fake_settings, tmp_path, all={"FAKE_BOOT_S": "30"})
+    deadline = time.monotonic() + 20
+    while len(up.pids()) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    up.proc.send_signal(signal.SIGINT)
+    assert up.exit_code() == 130, up.output()
+    assert all_dead(up.pids())
+    assert not state_path(fake_settings.state_dir).exists()
+
+
+def test_failure_while_starting_prints_the_log_tail(
+    fake_settings: StackSettings, tmp_path: Path
+) -> None:
+    up = Foreground(fake_settings, tmp_path, **{"prefill-0": {"FAKE_EXIT_CODE": "7"}})
+    assert up.exit_code() == 1
+    out = up.output()
+    assert "prefill-0 exited with code 7 while starting" in out
+    assert "CUDA out of cheese" in out
+    assert all_dead(up.pids())

@@ -1,0 +1,57 @@
+"""`stack up`'s warm-up: turns until one reuses KV, then the session is released; never fatal."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+import pytest
+
+from kvtether.stack._warmup import warm_up
+
+
+def _router(outcomes: list[str], seen: list[tuple[str, str, dict]]) -> httpx.MockTransport:
+    script = iter(outcomes)
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else {}
+        seen.append((request.method, request.url.path, body))
+        if request.method == "DELETE":
+            return httpx.Response(200, json={})
+        outcome = next(script)
+        if outcome == "503":
+            return httpx.Response(503, json={"error": {"message": "down"}})
+        return httpx.Response(
+            200, headers={"X-KVTether-Reuse": outcome},
+            json={"choices": [{"message": {"role": "assistant", "content": "ok"}}]},
+        )
+
+    return httpx.MockTransport(handle)
+
+
+def test_stops_at_the_first_fired_turn_and_releases_the_session() -> None:
+    seen: list[tuple[str, str, dict]] = []
+    report = warm_up("http://router", "tiny", transport=_router(
+        ["miss:first_turn", "miss:transfer_failed", "fired", "fired"], seen))
+    assert report.fired and report.outcomes == ["miss:first_turn", "miss:transfer_failed", "fired"]
+    posts = [b for m, _, b in seen if m == "POST"]
+    assert [len(b["messages"]) for b in posts] == [1, 3, 5]  # each turn extends the last one
+    assert seen[-1][0] == "DELETE" and seen[-1][1].startswith("/v1/sessions/kvtether-warmup-")
+
+
+def test_gives_up_after_max_turns() -> None:
+    seen: list[tuple[str, str, dict]] = []
+    report = warm_up("http://router", "tiny", max_turns=2,
+                     transport=_router(["miss:first_turn"] + ["miss:transfer_failed"] * 3, seen))
+    assert not report.fired and len(report.outcomes) == 2
+
+
+def test_a_failing_router_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[tuple[str, str, dict]] = []
+    with caplog.at_level(logging.WARNING, logger="kvtether.stack._warmup"):
+        report = warm_up("http://router", "tiny", conversations=2,
+                         transport=_router(["503", "503"], seen))
+    assert not report.fired and report.conversations == 2
+    assert "503" in caplog.text
+    assert [m for m, _, _ in seen].count("DELETE") == 2

@@ -1,0 +1,76 @@
+"""The wire contract: names are public, parsing is strict, prefix identity is exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtether import protocol as p
+
+
+def test_public_names_are_pinned():
+    # Renaming any of these breaks clients and routers of another version.
+    assert p.PROTOCOL_VERSION == "1"
+    assert p.HEADER_CONVERSATION_ID == "X-Conversation-Id"
+    assert p.CONVERSATION_ID_HEADER_ALIASES == ("X-Session-Id",)
+    assert p.BODY_CONVERSATION_ID == "conversation_id"
+    assert p.HEADER_REUSE == "X-KVTether-Reuse"
+    assert p.HEADER_REUSED_TOKENS == "X-KVTether-Reused-Tokens"
+    assert {c.value for c in p.MissCause} >= {
+        "first_turn", "no_conversation_id", "below_threshold", "prefix_break", "lease_expired",
+        "released", "evicted", "decode_unavailable", "transfer_failed",
+    }
+    assert set(p.__all__) <= set(dir(p))
+
+
+@pytest.mark.parametrize(
+    "outcome",
+    [p.ReuseOutcome.hit(640), p.ReuseOutcome.miss(p.MissCause.PREFIX_BREAK, 96)],
+)
+def test_reuse_header_round_trips(outcome):
+    parsed = p.parse_reuse_header(p.format_reuse_header(outcome), str(outcome.reused_tokens))
+    assert parsed == outcome
+
+
+@pytest.mark.parametrize("value", [None, "", "hit", "miss:nonsense"])
+def test_foreign_reuse_headers_are_ignored(value):
+    assert p.parse_reuse_header(value, "12") is None
+
+
+def test_hints_parse_and_reject_bad_values():
+    h = p.parse_hints_header('{"next_prompt_tokens": 900, "next_turn_gap_s": 12.5, "phase": "tool_running"}')
+    assert h.phase is p.Phase.TOOL_RUNNING and h.next_prompt_tokens == 900
+    for bad, words in [
+        ("not json", "JSON object"),
+        ('{"next_turn_gap_s": -1}', "next_turn_gap_s"),
+        ('{"phase": "sleeping"}', "phase"),
+        ('{"surprise": 1}', "surprise"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            p.parse_hints_header(bad)
+
+
+def test_heartbeat_rejects_negative_durations():
+    with pytest.raises(ValueError):
+        p.HeartbeatRequest(expected_duration_s=-3)
+    assert p.HeartbeatRequest().phase is p.Phase.TOOL_RUNNING
+
+
+def test_block_hashes_are_chained():
+    a = p.block_hashes(list(range(100)), 32)
+    b = p.block_hashes([999] + list(range(1, 100)), 32)
+    assert len(a) == 3  # only whole blocks
+    assert all(x != y for x, y in zip(a, b))  # a change in block 0 changes every later hash
+    assert p.block_hashes(list(range(64)), 32) == a[:2]
+
+
+@pytest.mark.parametrize(
+    ("cached", "prompt", "expected"),
+    [
+        (list(range(100)), list(range(120)), 96),  # prompt extends the cache
+        (list(range(100)), list(range(40)) + [7] * 80, 32),  # break at 40 → one whole block
+        (list(range(100)), [5] + list(range(1, 120)), 0),  # break at token 0
+        (list(range(64)), list(range(64)), 32),  # last prompt token must be computed
+    ],
+)
+def test_matching_prefix_is_whole_blocks(cached, prompt, expected):
+    assert p.matching_prefix_tokens(cached, prompt, 32) == expected
