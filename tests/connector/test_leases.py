@@ -82,6 +82,19 @@ def test_renew_waits_for_engine_step_and_moves_deadline(clock: FakeClock) -> Non
     assert table.counters()["leases_renewed"] == 1
 
 
+def test_renew_never_shortens_a_lease(clock: FakeClock) -> None:
+    """A handle already forwarded carries the current deadline and P trusts it."""
+    table = make_table(clock)
+    open_lease(table, ttl_s=300)
+    sink: dict[str, float] = {}
+    thread = engine_step_soon(table, sink)
+    reply = table.renew("k1", 10)
+    thread.join()
+    assert reply.status == 200
+    assert LeaseInfo.model_validate(reply.body).remote_blocks_expiry_time == 1300.0
+    assert sink == {"r1": 1300.0}
+
+
 def test_renew_too_close_to_expiry_is_refused(clock: FakeClock) -> None:
     table = make_table(clock, renew_guard_s=1.0)
     open_lease(table, ttl_s=30)

@@ -67,12 +67,13 @@ async def test_dropped_message_forwards_truncated_handle(control: bool) -> None:
         assert fwd["remote_block_ids"] == [r.block_ids[:k]]
         assert fwd["remote_num_tokens"] == salvage
         assert fwd["remote_request_id"] == r.request_id
-        # Everything else of D's handle is forwarded unchanged.
-        rest = {key: v for key, v in fwd.items()
-                if key not in ("remote_block_ids", "remote_num_tokens")}
-        orig = {key: v for key, v in handle.items()
-                if key not in ("remote_block_ids", "remote_num_tokens")}
+        # Everything else of D's handle is forwarded unchanged, except a deadline that the
+        # renewal at hand-off may have moved later.
+        moved = ("remote_block_ids", "remote_num_tokens", "remote_blocks_expiry_time")
+        rest = {key: v for key, v in fwd.items() if key not in moved}
+        orig = {key: v for key, v in handle.items() if key not in moved}
         assert rest == orig
+        assert fwd["remote_blocks_expiry_time"] >= handle["remote_blocks_expiry_time"]
         h.assert_kv_correct()
 
 

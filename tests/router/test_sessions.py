@@ -89,7 +89,7 @@ async def test_heartbeat_renews_with_control_channel(hc: Harness) -> None:
     assert hb.lease_deadline_unix_s > before
     assert hb.lease_remaining_s == pytest.approx(want, abs=2)
     assert hb.retained_tokens == hc.d.held_leases()[0].num_tokens
-    assert hc.d.renewals == [(key, pytest.approx(want))]
+    assert hc.d.renewals[-1] == (key, pytest.approx(want))  # earlier: renewals at hand-off
     status = (await hc.client.get("/v1/sessions/sess")).json()
     assert status["lease_deadline_unix_s"] == pytest.approx(hb.lease_deadline_unix_s)
     # An empty body renews too; an explicit extension is capped by max_lease_s.
@@ -199,3 +199,44 @@ async def test_heartbeat_during_a_turn_is_accepted(hc: Harness) -> None:
     r = await hc.client.post("/v1/sessions/busy/heartbeat", json={})
     assert r.status_code == 200
     await turn
+
+
+async def test_lease_is_extended_at_handoff_so_a_slow_prefill_still_reads() -> None:
+    """A short lease is renewed to ``handoff_lease_s`` before its handle goes to prefill, and
+    the handle carries the renewed deadline (P compares it before reading)."""
+    async with make_router(control=True, lease_ttl_s=10, handoff_lease_s=60) as hc:
+        a = hc.conversation("handoff")
+        await a.say("first")
+        (held,) = hc.d.held_leases()
+        old_expiry = held.expiry_perf
+        t = await a.say("second")
+        assert t.outcome == "fired"
+        assert hc.d.renewals == [(held.lease_key, 60.0)]
+        fwd = hc.p.prefill_handles[-1]
+        assert fwd is not None and fwd["remote_blocks_expiry_time"] == held.expiry_perf
+        assert held.expiry_perf >= old_expiry + 45
+        metrics = (await hc.client.get("/metrics")).text
+        assert 'kvtether_lease_events_total{event="extended_at_handoff"} 1.0' in metrics
+        hc.assert_kv_correct()
+
+
+async def test_lease_gone_at_handoff_is_a_lease_expired_miss() -> None:
+    """D dropped the KV behind the router's back: the hand-off renewal finds out, nothing is
+    forwarded, and the turn recomputes."""
+    async with make_router(control=True, lease_ttl_s=10, handoff_lease_s=60) as hc:
+        a = hc.conversation("gone")
+        await a.say("first")
+        (held,) = hc.d.held_leases()
+        held.end("expired")
+        t = await a.say("second")
+        assert t.status == 200 and t.outcome == "miss:lease_expired"
+        assert hc.p.prefill_handles[-1] is None
+        hc.assert_kv_correct()
+
+
+async def test_long_lease_is_not_renewed_at_handoff() -> None:
+    async with make_router(control=True, lease_ttl_s=300, handoff_lease_s=60) as hc:
+        a = hc.conversation("long")
+        await a.say("first")
+        assert (await a.say("second")).outcome == "fired"
+        assert hc.d.renewals == []

@@ -306,7 +306,9 @@ class LeaseTable:
             info = self._info(lease).model_dump(mode="json")
             return _error(410, f"lease {op.key!r} expires in {lease.deadline - now:.3f}s, too "
                           "late to renew", "expiring", lease=info)
-        lease.deadline = now + min(op.ttl_s, self.max_lease_ttl_s)
+        # Extend only: a handle already forwarded carries the old deadline, and P trusts it.
+        # Ending a lease early is what release is for.
+        lease.deadline = max(lease.deadline, now + min(op.ttl_s, self.max_lease_ttl_s))
         lease.renewals += 1
         self._counters["leases_renewed"] += 1
         updates[lease.request_id] = lease.deadline

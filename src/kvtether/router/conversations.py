@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvtether.protocol import MissCause, Phase, SessionStatus, TurnRecord
+from kvtether.protocol import LeaseInfo, MissCause, Phase, SessionStatus, TurnRecord
 
 __all__ = ["RetainedKV", "Conversation", "ConversationStore", "InMemoryConversationStore"]
 
@@ -30,6 +30,12 @@ class RetainedKV:
     lease_deadline_unix_s: float  # the router's view; never forwarded past it minus a margin
     handle_key: str | None = None  # key of the lease on the kvtether connector, if any
     created_unix_s: float = field(default_factory=time.time)
+
+    def renewed(self, lease: LeaseInfo) -> None:
+        """Take D's answer to a renewal: the new deadline, and the handle that carries it."""
+        self.lease_deadline_unix_s = lease.deadline_unix_s
+        # Forward the renewed deadline (in D's clock) with the handle, or P declines it.
+        self.params["remote_blocks_expiry_time"] = lease.remote_blocks_expiry_time
 
 
 @dataclass

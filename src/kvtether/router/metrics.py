@@ -49,7 +49,7 @@ class RouterMetrics:
         )
         self.lease_events = Counter(
             "kvtether_lease_events",
-            "Lease events: renewed, released, expired, evicted", ["event"], registry=r,
+            "Lease events: renewed (heartbeat), extended_at_handoff, released, expired, evicted", ["event"], registry=r,
         )
         self.heartbeat_s = Histogram(
             "kvtether_heartbeat_seconds", "Heartbeat handling latency",

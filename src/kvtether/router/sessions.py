@@ -110,9 +110,7 @@ class SessionAPI:
                                        f"{r.decode_instance} did not answer; lease not renewed",
                                   code="decode_unavailable")
         if status == "renewed" and result is not None and result.lease is not None:
-            r.lease_deadline_unix_s = result.lease.deadline_unix_s
-            # Forward the renewed deadline (in D's clock) with the handle, or P declines it.
-            r.params["remote_blocks_expiry_time"] = result.lease.remote_blocks_expiry_time
+            r.renewed(result.lease)
         else:
             # Upstream connector: vLLM's fixed TTL cannot be extended.
             r.lease_deadline_unix_s = min(

@@ -47,6 +47,11 @@ class RouterSettings(BaseSettings):
     lease_safety_margin_s: float = Field(
         default=6.0, ge=0, description="never forward a handle that expires within this margin"
     )
+    handoff_lease_s: float = Field(
+        default=60.0, ge=0,
+        description="before a handle goes to prefill, extend its lease to at least this, so it "
+        "cannot expire while the prefill request waits for its read (0: off)",
+    )
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     upstream_connect_timeout_s: float = Field(default=30.0, gt=0)
     max_conversations: int = Field(default=100_000, ge=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -175,7 +176,11 @@ class TurnRunner:
                 self._drop_retained(conv)
                 conv.gone_cause = p.MissCause.DECODE_UNAVAILABLE
         if conv.retained is not None:
-            prompt_ids = await self._tokenize(req, prefill)
+            prompt_ids, _ = await asyncio.gather(
+                self._tokenize(req, prefill), self._extend_for_handoff(conv.retained)
+            )
+        # No await from here until the handle is taken: a DELETE or eviction meanwhile has
+        # already dropped conv.retained, and the plan says so.
         return plan_reuse(
             conv,
             prompt_ids,
@@ -183,6 +188,28 @@ class TurnRunner:
             recompute_threshold_tokens=self.s.kv_recompute_threshold_tokens,
             safety_margin_s=self.s.lease_safety_margin_s,
         )
+
+    async def _extend_for_handoff(self, r: RetainedKV) -> None:
+        """Make the lease outlive the prefill leg's wait for its read.
+
+        A loaded prefill instance can queue a request for many seconds before it reads, and it
+        declines a handle whose deadline has passed by then (a miss, never wrong KV); renewing
+        at hand-off costs one control call, made while the prompt is tokenized.
+        """
+        now = time.time()
+        remaining_s = r.lease_deadline_unix_s - now
+        if (r.handle_key is None or remaining_s >= self.s.handoff_lease_s
+                or remaining_s <= self.s.lease_safety_margin_s):
+            return
+        decode = self.pool.by_name(r.decode_instance)
+        if decode is None:
+            return
+        result = await self.leases.renew(decode, r.handle_key, self.s.handoff_lease_s)
+        if result.status == "renewed" and result.lease is not None:
+            r.renewed(result.lease)
+            self.metrics.lease_events.labels("extended_at_handoff").inc()
+        elif result.status == "gone":
+            r.lease_deadline_unix_s = now  # D no longer holds it: the plan says lease_expired
 
     async def _tokenize(self, req: TurnRequest, prefill: Backend) -> list[int] | None:
         """The new prompt's token ids, exactly as the prefill instance will see them."""
