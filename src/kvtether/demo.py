@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                         tool_seconds=args.tool_seconds, stream=not args.no_stream)
         print_report(run, console)
         return 0
-    settings = StackSettings(profile=args.profile, connector="kvtether")
+    settings = StackSettings(profile=args.profile)
     console.print(f"[bold]Starting the kvtether stack[/bold] (profile {args.profile}: "
                   f"{settings.prefill} prefill + {settings.decode} decode vLLM, router on "
                   f":{settings.port}) ...")

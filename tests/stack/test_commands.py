@@ -33,7 +33,8 @@ def _flag(argv: list[str], name: str) -> str:
 
 
 def test_vllm_instance_command_line() -> None:
-    cmd = VllmCommands("py").command(_plan(), StackSettings(lease_ttl_s=10))
+    settings = StackSettings(lease_ttl_s=10, connector="nixl")
+    cmd = VllmCommands("py").command(_plan(), settings)
     argv = cmd.argv
     assert argv[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
     assert _flag(argv, "--model") == "/models/tiny"
@@ -59,8 +60,8 @@ def test_vllm_instance_command_line() -> None:
     assert cmd.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
-def test_kvtether_connector_is_a_one_setting_switch() -> None:
-    settings = StackSettings(connector="kvtether", lease_ttl_s=10, max_retained_tokens=5000)
+def test_kvtether_connector_is_the_default() -> None:
+    settings = StackSettings(lease_ttl_s=10, max_retained_tokens=5000)
     cmd = VllmCommands().command(_plan("decode"), settings)
     config = json.loads(_flag(cmd.argv, "--kv-transfer-config"))
     assert config["kv_connector"] == "NixlConnector"

@@ -26,7 +26,7 @@ def test_default_profile_is_cpu_tiny() -> None:
     assert (s.profile, s.device, s.dtype) == ("cpu-tiny", "cpu", "float32")
     assert s.prepared_model == "tiny"
     assert (s.block_size_tokens, s.max_model_len_tokens, s.kv_cache_space_gib) == (32, 4096, 1)
-    assert (s.prefill, s.decode, s.port, s.connector) == (1, 1, 8000, "nixl")
+    assert (s.prefill, s.decode, s.port, s.connector) == (1, 1, 8000, "kvtether")
 
 
 def test_every_profile_sets_every_device_field() -> None:

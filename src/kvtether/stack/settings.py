@@ -117,7 +117,9 @@ class StackSettings(StackSettingsBase):
         default=None, ge=0, description="cap on retained KV tokens per decode instance"
     )
     connector: ConnectorKind = Field(
-        default="nixl", description="'nixl' (upstream NixlConnector) or 'kvtether'"
+        default="kvtether",
+        description="'kvtether' (leases, control channel, streamed handles) or 'nixl' "
+        "(upstream NixlConnector: fixed decoder_kv_blocks_ttl, no streamed reuse)",
     )
 
     health_timeout_s: float = Field(default=300.0, gt=0, description="wait this long for /health")
