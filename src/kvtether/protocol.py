@@ -66,6 +66,7 @@ __all__ = [
     "LeaseList",
     "HandleResponse",
     "ConnectorStatus",
+    "IdleInfo",
 ]
 
 PROTOCOL_VERSION = "1"
@@ -424,6 +425,14 @@ class HandleResponse(BaseModel):
     kv_transfer_params: dict[str, Any]
 
 
+class IdleInfo(BaseModel):
+    """How a sleeping engine was woken (``IdleSleepScheduler`` only)."""
+
+    tick_s: float
+    engine_steps: int
+    wakeups: dict[str, int]
+
+
 class ConnectorStatus(BaseModel):
     """Body of ``GET /kvtether/v1/status``."""
 
@@ -441,3 +450,5 @@ class ConnectorStatus(BaseModel):
     # Read together: deadline_perf - perf_counter = seconds left, in decode's clock.
     unix_time: float
     perf_counter: float
+    # Present when the engine runs kvtether's IdleSleepScheduler.
+    idle: IdleInfo | None = None

@@ -113,6 +113,9 @@ class LeaseTable:
         self._ended: OrderedDict[str, _Lease] = OrderedDict()
         self._ops: list[_Op] = []
         self._counters: Counter[str] = Counter({name: 0 for name in COUNTER_NAMES})
+        # Called (outside the lock) when an operation waits for the engine loop: a sleeping
+        # engine must wake to apply it (kvtether.connector.scheduler).
+        self.on_queued: Callable[[], None] | None = None
 
     # --- engine loop ----------------------------------------------------------------------
     def open(
@@ -206,6 +209,16 @@ class LeaseTable:
                 self._remember(lease)
             self._cond.notify_all()
 
+    def has_pending_work(self, window_s: float = 2.0) -> bool:
+        """Operations wait for the engine loop, or a release started in the last
+        ``window_s`` is not freed yet (an engine step frees it)."""
+        with self._cond:
+            if self._ops:
+                return True
+            now = self._clock()
+            return any(x.state is LeaseState.RELEASING and now - x.deadline <= window_s
+                       for x in self._live.values())
+
     def count(self, name: str, n: int = 1) -> None:
         with self._cond:
             self._counters[name] += n
@@ -272,6 +285,8 @@ class LeaseTable:
                 # Answer now: the engine loop may be idle when nothing is retained.
                 return self._apply(op, {})
             self._ops.append(op)
+        if self.on_queued is not None:
+            self.on_queued()
         if op.done.wait(self.op_timeout_s):
             assert op.reply is not None
             return op.reply

@@ -56,6 +56,21 @@ class ConnectorSettings(BaseModel):
         default=False, alias="kvtether_require_block_hashes",
         description="Prefill: do not read decode handles that carry no block hashes.",
     )
+    idle_tick_s: float = Field(
+        default=5.0, gt=0, allow_inf_nan=False, alias="kvtether_idle_tick_s",
+        description="With kvtether's scheduler (--scheduler-cls): while an engine sleeps "
+        "holding KV, step this often to pick up NIXL notifications (a reader finished).",
+    )
+    progress_thread_delay_us: int | None = Field(
+        default=None, ge=0, alias="kvtether_progress_thread_delay_us",
+        description="Worker: NIXL progress-thread wait (pthrDelay, microseconds) instead of "
+        "nixl's busy-polling 0; none = nixl's default.",
+    )
+    rpc_busy_loop_s: float | None = Field(
+        default=None, ge=0, allow_inf_nan=False, alias="kvtether_rpc_busy_loop_s",
+        description="Worker: spin at most this long on vLLM's shared-memory RPC queue before "
+        "blocking (vLLM: 1 s); none = vLLM's default.",
+    )
     role: str | None = Field(default=None, alias="kvtether_role", description="Informational.")
 
     @classmethod

@@ -47,6 +47,7 @@ from kvtether.connector._compat import check_vllm_version
 VLLM_VERSION = check_vllm_version()
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.nixl_utils import NixlWrapper  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (  # noqa: E402
     NixlBaseConnector,
     NixlPullConnector,
@@ -60,7 +61,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (  # n
 )
 
 from kvtether.connector._control import ControlServer  # noqa: E402
+from kvtether.connector._idle import EngineWaker  # noqa: E402
 from kvtether.connector._leases import LeaseTable  # noqa: E402
+from kvtether.connector._quiet import progress_thread_delay, shorten_rpc_spin  # noqa: E402
 from kvtether.connector._prefix import (  # noqa: E402
     PullRecord,
     annotate_handle,
@@ -75,6 +78,7 @@ from kvtether.protocol import (  # noqa: E402
     KV_PARAM_LEASE_TTL_S,
     KV_PARAM_PULL,
     ConnectorStatus,
+    IdleInfo,
 )
 
 if TYPE_CHECKING:
@@ -85,9 +89,13 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["NixlConnector", "KVTetherScheduler", "VLLM_VERSION"]
+__all__ = ["NixlConnector", "KVTetherScheduler", "KVTetherWorker", "VLLM_VERSION"]
 
 logger = logging.getLogger(__name__)
+
+# How long past its deadline a held request keeps the engine stepping (the worker frees it on
+# the first step after its own, slightly later, deadline); after that only the tick retries.
+_PAST_DUE_STEP_S = 2.0
 
 
 class KVTetherScheduler(NixlPullConnectorScheduler):
@@ -107,6 +115,10 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
             op_timeout_s=self.settings.op_timeout_s,
         )
         self._pulls: dict[str, PullRecord] = {}
+        # Deadlines of every request whose blocks wait for a remote reader (both roles), as
+        # sent to the worker: when a sleeping engine must wake to free them.
+        self._held_deadlines: dict[str, float] = {}
+        self._waker: EngineWaker | None = None
         self._control: ControlServer | None = None
         if self.settings.control_port is not None:
             # Like the NIXL side channel: one port per data-parallel rank.
@@ -135,7 +147,38 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
             counters=self.leases.counters(),
             unix_time=time.time(),
             perf_counter=time.perf_counter(),
+            idle=None if self._waker is None else IdleInfo(
+                tick_s=self._waker.tick_s, engine_steps=self._waker.steps,
+                wakeups=dict(self._waker.wakeups),
+            ),
         )
+
+    # --- sleeping engine (kvtether.connector.scheduler.IdleSleepScheduler) -----------------
+    def attach_waker(self, waker: EngineWaker) -> None:
+        """Lease operations queued by the control channel wake the sleeping engine."""
+        self._waker = waker
+        self.leases.on_queued = lambda: waker.request_step("control")
+
+    def next_deadline(self) -> float | None:
+        """Earliest deadline of blocks held for a remote reader; ``None`` if none is held."""
+        if not self._held_deadlines:
+            return None
+        now = time.perf_counter()
+        stale = [r for r, d in self._held_deadlines.items() if now - d > _PAST_DUE_STEP_S]
+        for request_id in stale:
+            # Not freed on the steps after its deadline: leave it to the housekeeping tick.
+            logger.debug("request %s: held past its deadline; not waking for it again",
+                         request_id)
+            del self._held_deadlines[request_id]
+        return min(self._held_deadlines.values(), default=None)
+
+    def needs_step(self) -> bool:
+        """Work only an engine step can do: queued lease operations, releases under way,
+        deadlines that just passed."""
+        if self.leases.has_pending_work():
+            return True
+        now = time.perf_counter()
+        return any(0 <= now - d <= _PAST_DUE_STEP_S for d in self._held_deadlines.values())
 
     # --- prefill side: prefix check before upstream reads a decode handle -------------------
     def get_num_new_matched_tokens(
@@ -243,11 +286,14 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         # Renewed deadlines and releases ride upstream's reqs_to_send to the worker.
         self._reqs_need_send.update(self.leases.drain())
+        self._held_deadlines.update(self._reqs_need_send)
         return super().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
         if connector_output.finished_sending:
+            for request_id in connector_output.finished_sending:
+                self._held_deadlines.pop(request_id, None)
             self.leases.on_freed(connector_output.finished_sending)
         for request_id in connector_output.failed_recving or ():
             if (record := self._pulls.get(request_id)) is not None:
@@ -280,9 +326,20 @@ class NixlConnector(NixlPullConnector):
                 vllm_config, self.engine_id, kv_cache_config
             )
         elif role == KVConnectorRole.WORKER:
-            self.connector_worker = NixlPullConnectorWorker(
-                vllm_config, self.engine_id, kv_cache_config
-            )
+            self.connector_worker = KVTetherWorker(vllm_config, self.engine_id, kv_cache_config)
+
+
+class KVTetherWorker(NixlPullConnectorWorker):
+    """Upstream's pull worker, built with the idle settings of :mod:`._quiet` when asked."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig):
+        assert vllm_config.kv_transfer_config is not None
+        settings = ConnectorSettings.from_extra_config(
+            vllm_config.kv_transfer_config.kv_connector_extra_config
+        )
+        with progress_thread_delay(NixlWrapper, settings.progress_thread_delay_us):
+            super().__init__(vllm_config, engine_id, kv_cache_config)
+        shorten_rpc_spin(settings.rpc_busy_loop_s)
 
 
 def _is_decode_handle(params: dict[str, Any] | None) -> bool:

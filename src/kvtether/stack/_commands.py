@@ -23,6 +23,7 @@ __all__ = ["InstancePlan", "Command", "CommandBuilder", "VllmCommands", "kv_tran
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # The kvtether connector keeps upstream's class name: some vLLM code checks for it by name.
 KVTETHER_CONNECTOR_MODULE = "kvtether.connector.nixl"
+IDLE_SLEEP_SCHEDULER = "kvtether.connector.scheduler.IdleSleepScheduler"
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,12 @@ def kv_transfer_config(plan: InstancePlan, settings: StackSettings) -> dict[str,
             kvtether_role=plan.role,
             kvtether_lease_ttl_s=_number(settings.lease_ttl_s),
             kvtether_control_port=plan.control_port,
+            kvtether_idle_tick_s=_number(settings.idle_tick_s),
         )
+        if settings.progress_thread_delay_us is not None:
+            extra["kvtether_progress_thread_delay_us"] = settings.progress_thread_delay_us
+        if settings.rpc_busy_loop_s is not None:
+            extra["kvtether_rpc_busy_loop_s"] = _number(settings.rpc_busy_loop_s)
     config.update(
         kv_role="kv_both",
         kv_buffer_device=settings.kv_buffer_device,
@@ -131,7 +137,8 @@ class VllmCommands:
         argv += tool_call_args(plan.model_dir)
         if plan.gpu_memory_utilization is not None:
             argv += ["--gpu-memory-utilization", str(plan.gpu_memory_utilization)]
-        env = {"PYTHONUNBUFFERED": "1"}
+        env = {k: v for k, v in settings.vllm_env.items() if k not in os.environ}
+        env["PYTHONUNBUFFERED"] = "1"
         if settings.device == "cpu" and "VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT" not in os.environ:
             # vLLM fails a request (500) whose chat template takes over 30 s to render; a
             # loaded 2-core machine got there in CI.
@@ -154,6 +161,8 @@ class VllmCommands:
         else:
             config = kv_transfer_config(plan, settings)
             argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+            if settings.connector == "kvtether" and settings.idle_sleep:
+                argv += ["--scheduler-cls", IDLE_SLEEP_SCHEDULER]
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = plan.host
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(plan.side_channel_port)
             if settings.connector == "kvtether" and plan.control_port is not None:

@@ -27,6 +27,15 @@ _CPU: dict[str, Any] = {
     "kv_cache_space_gib": 1,
     "kv_buffer_device": "cpu",
     "gpu_memory_utilization": None,
+    # An idle stack sleeps (measured in benchmarks/bench_idle.py; README "Running on CPU
+    # hosts"): the engine parks while it only holds KV for a remote reader, NIXL's progress
+    # thread waits in poll() instead of spinning, the worker stops spinning on its RPC queue
+    # soon after a step, and UCX locks with a mutex rather than a spinlock (two cores, four
+    # processes: a spinning waiter steals the core its lock holder needs).
+    "idle_sleep": True,
+    "progress_thread_delay_us": 2000,
+    "rpc_busy_loop_s": 0.02,
+    "vllm_env": {"UCX_USE_MT_MUTEX": "y"},
 }
 
 PROFILES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
@@ -47,6 +56,12 @@ PROFILES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 "kv_cache_space_gib": None,
                 "kv_buffer_device": "cuda",
                 "gpu_memory_utilization": 0.85,
+                # vLLM's own behaviour: the GPU host's cores are not the bottleneck, and the
+                # idle settings were measured on CPU hosts only.
+                "idle_sleep": False,
+                "progress_thread_delay_us": None,
+                "rpc_busy_loop_s": None,
+                "vllm_env": {},
                 "prepared_model": "smol",
                 "max_model_len_tokens": 8192,
             }

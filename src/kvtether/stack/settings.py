@@ -99,6 +99,22 @@ class StackSettings(StackSettingsBase):
     kv_cache_space_gib: int | None = _preset("CPU KV cache GiB (VLLM_CPU_KVCACHE_SPACE)")
     kv_buffer_device: Literal["cpu", "cuda"] = _preset("NIXL kv_buffer_device")
     gpu_memory_utilization: float | None = _preset("vLLM --gpu-memory-utilization")
+    idle_sleep: bool = _preset(
+        "engines sleep while they only hold KV for a remote reader (kvtether connector only; "
+        "vLLM --scheduler-cls kvtether.connector.scheduler.IdleSleepScheduler)"
+    )
+    progress_thread_delay_us: int | None = _preset(
+        "NIXL progress-thread wait in microseconds; none = nixl's busy-polling 0 "
+        "(kvtether connector only)"
+    )
+    rpc_busy_loop_s: float | None = _preset(
+        "vLLM worker spins this long on its RPC queue before blocking; none = vLLM's 1 s "
+        "(kvtether connector only)"
+    )
+    vllm_env: dict[str, str] = _preset(
+        "environment for every vLLM instance (transport settings such as UCX_*); the "
+        "caller's environment wins"
+    )
     gpu_ids: list[int] = Field(
         default_factory=list, description="GPUs to spread instances over (CUDA_VISIBLE_DEVICES)"
     )
@@ -115,6 +131,10 @@ class StackSettings(StackSettingsBase):
     lease_ttl_s: float = Field(default=60.0, gt=0, description="initial lease on retained KV")
     max_retained_tokens: int | None = Field(
         default=None, ge=0, description="cap on retained KV tokens per decode instance"
+    )
+    idle_tick_s: float = Field(
+        default=5.0, gt=0, description="a sleeping engine steps this often while it holds KV "
+        "(frees blocks a reader has finished with)"
     )
     connector: ConnectorKind = Field(
         default="kvtether",
