@@ -22,7 +22,7 @@ test-fast: setup
 	$(PY) -m pytest tests -m "not vllm" $(PYTEST_ARGS)
 
 bench: setup
-	$(PY) -m kvtether bench
+	$(PY) -m kvtether bench idle
 
 clean:
 	-$(PY) -m kvtether stack down 2>/dev/null

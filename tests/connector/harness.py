@@ -71,7 +71,8 @@ class FakeSendWorker:
 
 
 class Harness:
-    def __init__(self, tmp: Path, *, block_size: int = 4, extra: dict[str, Any] | None = None):
+    def __init__(self, tmp: Path, *, block_size: int = 4, extra: dict[str, Any] | None = None,
+                 scheduler_cls: type[Scheduler] = Scheduler):
         (tmp / "config.json").write_text(json.dumps(_MODEL_CONFIG))
         self.block_size = block_size
         config = VllmConfig(
@@ -92,7 +93,7 @@ class Harness:
                                  dtype=torch.float32)
         kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
                                         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
-        self.scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
+        self.scheduler = scheduler_cls(vllm_config=config, kv_cache_config=kv_cache_config,
                                    log_stats=False,
                                    structured_output_manager=StructuredOutputManager(config),
                                    block_size=block_size)

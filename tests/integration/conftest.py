@@ -63,8 +63,8 @@ def _settings(tmp: Path, **overrides):
 def pd_stack(
     tmp_path_factory: pytest.TempPathFactory, reference_vllm: Reference
 ) -> Iterator[StackHandle]:
-    # Asks for the reference only to start it first: once P and D are up, NIXL's UCX progress
-    # thread in each busy-polls a core, and a vLLM booting beside them takes 5+ minutes.
+    # Asks for the reference only to start it first: booting vLLM is CPU-bound, and on 2 cores
+    # a third instance booting beside a working P/D pair slows both.
     del reference_vllm
     from kvtether.stack.launcher import Stack
 

@@ -64,9 +64,13 @@ def _launch(name: str, idx: int, tmp: Path, extra_args: list[str]) -> Instance:
             "kv_lease_duration": 120,
             "kvtether_control_port": _CONTROL + idx, "kvtether_lease_ttl_s": DEFAULT_TTL_S,
             "kvtether_role": name,
+            # The cpu profiles' idle settings (kvtether.stack.profiles): these tests also show
+            # that leases, releases and reads work with a sleeping engine.
+            "kvtether_progress_thread_delay_us": 2000, "kvtether_rpc_busy_loop_s": 0.02,
         },
     }
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+               UCX_USE_MT_MUTEX="y",
                VLLM_NIXL_SIDE_CHANNEL_PORT=str(_SIDE + 10 * idx))
     # One core each: P's and D's spinning OpenMP threads otherwise starve each other.
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(idx % (os.cpu_count() or 1)))
@@ -74,7 +78,8 @@ def _launch(name: str, idx: int, tmp: Path, extra_args: list[str]) -> Instance:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(_model()),
             "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "4096",
-            "--enforce-eager", "--kv-transfer-config", json.dumps(kv_config), *extra_args]
+            "--enforce-eager", "--kv-transfer-config", json.dumps(kv_config),
+            "--scheduler-cls", "kvtether.connector.scheduler.IdleSleepScheduler", *extra_args]
     log = tmp / f"{name}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,

@@ -116,3 +116,43 @@ def test_router_command_parses_back_into_router_settings(monkeypatch: pytest.Mon
     assert parsed.decode_urls == ["http://127.0.0.1:8101", "http://127.0.0.1:8102"]
     assert (parsed.port, parsed.kv_block_size_tokens) == (8000, 32)
     assert (parsed.decoder_kv_blocks_ttl_s, parsed.kv_recompute_threshold_tokens) == (120, 16)
+
+
+def test_cpu_profiles_let_an_idle_stack_sleep() -> None:
+    for profile in ("cpu-tiny", "cpu-smol"):
+        settings = StackSettings(profile=profile)
+        cmd = VllmCommands().command(_plan("decode"), settings)
+        assert _flag(cmd.argv, "--scheduler-cls") == (
+            "kvtether.connector.scheduler.IdleSleepScheduler"
+        )
+        extra = json.loads(_flag(cmd.argv, "--kv-transfer-config"))["kv_connector_extra_config"]
+        assert extra["kvtether_progress_thread_delay_us"] == 2000
+        assert extra["kvtether_rpc_busy_loop_s"] == 0.02
+        assert extra["kvtether_idle_tick_s"] == 5
+        assert cmd.env["UCX_USE_MT_MUTEX"] == "y"
+
+
+def test_gpu_profile_keeps_vllm_behaviour() -> None:
+    cmd = VllmCommands().command(_plan("decode"), StackSettings(profile="gpu"))
+    assert "--scheduler-cls" not in cmd.argv
+    extra = json.loads(_flag(cmd.argv, "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert not {"kvtether_progress_thread_delay_us", "kvtether_rpc_busy_loop_s"} & set(extra)
+    assert "UCX_USE_MT_MUTEX" not in cmd.env
+
+
+def test_upstream_connector_gets_no_kvtether_scheduler() -> None:
+    # The sleeping scheduler needs the kvtether connector's lease table to know when to wake.
+    cmd = VllmCommands().command(_plan("decode"), StackSettings(connector="nixl"))
+    assert "--scheduler-cls" not in cmd.argv
+
+
+def test_idle_settings_can_be_switched_off_and_the_callers_env_wins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("UCX_USE_MT_MUTEX", "n")
+    settings = StackSettings(idle_sleep=False, progress_thread_delay_us=None, vllm_env={})
+    cmd = VllmCommands().command(_plan("decode"), settings)
+    assert "--scheduler-cls" not in cmd.argv
+    assert "UCX_USE_MT_MUTEX" not in cmd.env  # the process inherits the caller's "n"
+    cmd = VllmCommands().command(_plan("decode"), StackSettings())
+    assert "UCX_USE_MT_MUTEX" not in cmd.env

@@ -80,9 +80,10 @@ def shorten_rpc_spin(busy_loop_s: float | None) -> int:
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
     except ImportError:  # pragma: no cover - another vLLM layout; _compat pins the version
         return 0
+    # type(), not isinstance(): some objects in a torch process raise from ``__class__``.
     readers = [
         obj for obj in gc.get_objects()
-        if isinstance(obj, SpinCondition) and getattr(obj, "is_reader", False)
+        if issubclass(type(obj), SpinCondition) and getattr(obj, "is_reader", False)
     ]
     for reader in readers:
         reader.busy_loop_s = min(reader.busy_loop_s, busy_loop_s)
