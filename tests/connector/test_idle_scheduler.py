@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,13 @@ def _harness(tmp: Path, **extra: Any) -> Harness:
                    extra={"kvtether_lease_ttl_s": 30, "kvtether_idle_tick_s": 3600, **extra})
 
 
+@pytest.fixture
+def h(tmp_path: Path, inputs: queue.Queue[Any]) -> Iterator[Harness]:
+    harness = _harness(tmp_path)
+    yield harness
+    harness.scheduler.shutdown()  # stops the waker thread
+
+
 def _settle(h: Harness) -> None:
     """Step until only retained KV is left (the finished turn's bookkeeping step)."""
     for _ in range(5):
@@ -47,100 +55,79 @@ def _settle(h: Harness) -> None:
     raise AssertionError("the engine never ran out of work")
 
 
-def test_retained_kv_alone_lets_the_engine_sleep(tmp_path: Path, inputs: queue.Queue[Any]
-                                                 ) -> None:
-    h = _harness(tmp_path)
-    try:
-        finish_decode_turn(h, "d-1", "key-1")
-        _settle(h)
-        assert "d-1" in h.scheduler.requests  # still held for the next turn's prefill
-        assert h.conn.status().totals.active_leases == 1
-        # Upstream's answer for the same state is "step again" (every ~1 ms, for the lease).
-        assert Scheduler.has_requests(h.scheduler)
-        assert not h.scheduler.has_requests()
-        assert h.conn.next_deadline() == pytest.approx(time.perf_counter() + 30, abs=1)
-    finally:
-        h.scheduler.shutdown()
+def _woken_op(h: Harness, inputs: queue.Queue[Any], op: Any) -> Any:
+    """Run a control-channel operation against a sleeping engine: it must post a wake-up and
+    make the scheduler report work; then one engine step answers it."""
+    replies: list[Any] = []
+    caller = threading.Thread(target=lambda: replies.append(op()))
+    caller.start()
+    assert inputs.get(timeout=5) == WAKEUP  # the control channel woke the engine
+    assert h.scheduler.has_requests()
+    h.step()
+    caller.join(timeout=5)
+    assert replies, "the operation was not answered by one engine step"
+    return replies[0]
 
 
-def test_a_release_wakes_the_engine_and_frees_in_one_step(tmp_path: Path,
-                                                          inputs: queue.Queue[Any]) -> None:
-    h = _harness(tmp_path)
-    try:
-        finish_decode_turn(h, "d-1", "key-1")
-        _settle(h)
-        free_before = h.free_blocks()
-        replies: list[Any] = []
-        caller = threading.Thread(target=lambda: replies.append(h.conn.leases.release("key-1")))
-        caller.start()
-        assert inputs.get(timeout=5) == WAKEUP  # the control channel woke the engine
-        assert h.scheduler.has_requests()
-        h.step()
-        caller.join(timeout=5)
-        assert replies and replies[0].status == 200
-        assert replies[0].body["state"] == "released"
-        assert "d-1" not in h.scheduler.requests and h.free_blocks() > free_before
-        assert not h.scheduler.has_requests()  # back to sleep, nothing held
-        assert h.conn.next_deadline() is None
-    finally:
-        h.scheduler.shutdown()
+def test_retained_kv_alone_lets_the_engine_sleep(h: Harness) -> None:
+    finish_decode_turn(h, "d-1", "key-1")
+    _settle(h)
+    assert "d-1" in h.scheduler.requests  # still held for the next turn's prefill
+    assert h.conn.status().totals.active_leases == 1
+    # Upstream's answer for the same state is "step again" (every ~1 ms, for the lease).
+    assert Scheduler.has_requests(h.scheduler)
+    assert not h.scheduler.has_requests()
+    assert h.conn.next_deadline() == pytest.approx(time.perf_counter() + 30, abs=1)
 
 
-def test_a_renewal_wakes_the_engine_for_one_step(tmp_path: Path, inputs: queue.Queue[Any]
-                                                 ) -> None:
-    h = _harness(tmp_path)
-    try:
-        finish_decode_turn(h, "d-1", "key-1")
-        _settle(h)
-        replies: list[Any] = []
-        caller = threading.Thread(target=lambda: replies.append(h.conn.leases.renew("key-1", 90)))
-        caller.start()
-        assert inputs.get(timeout=5) == WAKEUP
-        assert h.scheduler.has_requests()
-        h.step()
-        caller.join(timeout=5)
-        assert replies[0].status == 200
-        assert h.worker.deadlines["d-1"] - time.perf_counter() == pytest.approx(90, abs=1)
-        assert not h.scheduler.has_requests()
-        assert h.conn.next_deadline() == pytest.approx(time.perf_counter() + 90, abs=1)
-    finally:
-        h.scheduler.shutdown()
+def test_a_release_wakes_the_engine_and_frees_in_one_step(
+    h: Harness, inputs: queue.Queue[Any]
+) -> None:
+    finish_decode_turn(h, "d-1", "key-1")
+    _settle(h)
+    free_before = h.free_blocks()
+    reply = _woken_op(h, inputs, lambda: h.conn.leases.release("key-1"))
+    assert reply.status == 200 and reply.body["state"] == "released"
+    assert "d-1" not in h.scheduler.requests and h.free_blocks() > free_before
+    assert not h.scheduler.has_requests()  # back to sleep, nothing held
+    assert h.conn.next_deadline() is None
+
+
+def test_a_renewal_wakes_the_engine_for_one_step(h: Harness, inputs: queue.Queue[Any]) -> None:
+    finish_decode_turn(h, "d-1", "key-1")
+    _settle(h)
+    reply = _woken_op(h, inputs, lambda: h.conn.leases.renew("key-1", 90))
+    assert reply.status == 200
+    assert h.worker.deadlines["d-1"] - time.perf_counter() == pytest.approx(90, abs=1)
+    assert not h.scheduler.has_requests()
+    assert h.conn.next_deadline() == pytest.approx(time.perf_counter() + 90, abs=1)
 
 
 def test_an_expiring_lease_wakes_the_sleeping_engine_at_its_deadline(
-    tmp_path: Path, inputs: queue.Queue[Any]
+    h: Harness, inputs: queue.Queue[Any]
 ) -> None:
-    h = _harness(tmp_path)
-    try:
-        finish_decode_turn(h, "d-1", "key-1", kvtether_lease_ttl_s=0.5)
-        _settle(h)
-        deadline = h.conn.next_deadline()
-        assert deadline is not None
-        assert inputs.get(timeout=5) == WAKEUP  # nothing else happened: the deadline did
-        assert time.perf_counter() >= deadline
-        steps = 0
-        while h.scheduler.has_requests() and steps < 50:
-            h.step()
-            steps += 1
-            time.sleep(0.01)
-        assert "d-1" not in h.scheduler.requests
-        assert h.conn.leases.lease("key-1").body["state"] == "expired"
-        status = h.conn.status()
-        assert status.idle is not None and status.idle.wakeups["deadline"] >= 1
-    finally:
-        h.scheduler.shutdown()
+    finish_decode_turn(h, "d-1", "key-1", kvtether_lease_ttl_s=0.5)
+    _settle(h)
+    deadline = h.conn.next_deadline()
+    assert deadline is not None
+    assert inputs.get(timeout=5) == WAKEUP  # nothing else happened: the deadline did
+    assert time.perf_counter() >= deadline
+    steps = 0
+    while h.scheduler.has_requests() and steps < 50:
+        h.step()
+        steps += 1
+        time.sleep(0.01)
+    assert "d-1" not in h.scheduler.requests
+    assert h.conn.leases.lease("key-1").body["state"] == "expired"
+    status = h.conn.status()
+    assert status.idle is not None and status.idle.wakeups["deadline"] >= 1
 
 
-def test_a_new_request_keeps_upstream_behaviour(tmp_path: Path, inputs: queue.Queue[Any]
-                                                ) -> None:
-    h = _harness(tmp_path)
-    try:
-        finish_decode_turn(h, "d-1", "key-1")
-        _settle(h)
-        h.add("d-2", list(range(30, 40)), None, max_tokens=2)
-        assert h.scheduler.has_requests()  # an unfinished request always steps
-    finally:
-        h.scheduler.shutdown()
+def test_a_new_request_keeps_upstream_behaviour(h: Harness) -> None:
+    finish_decode_turn(h, "d-1", "key-1")
+    _settle(h)
+    h.add("d-2", list(range(30, 40)), None, max_tokens=2)
+    assert h.scheduler.has_requests()  # an unfinished request always steps
 
 
 def test_without_an_engine_queue_the_scheduler_is_upstream(tmp_path: Path) -> None:

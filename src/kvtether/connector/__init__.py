@@ -5,6 +5,10 @@ package itself does not import vLLM. Parts:
 
 * ``nixl`` — the connector: vLLM's NIXL pull connector plus leases, handle publication and
   the prefill-side prefix check (imports vLLM; checks its version first).
+* ``scheduler`` — ``IdleSleepScheduler`` (vLLM ``--scheduler-cls``): an engine that only
+  holds KV for a remote reader sleeps until there is work (imports vLLM).
+* ``_idle`` — when a sleeping engine wakes (deadlines, control operations, a slow tick).
+* ``_quiet`` — worker-process idle settings: NIXL progress-thread delay, RPC spin window.
 * ``_leases`` — the lease table shared by the engine loop and the control channel.
 * ``_control`` — the HTTP control channel (``/kvtether/v1/...``, see :mod:`kvtether.protocol`).
 * ``_prefix`` — block-hash prefix identity: what decode adds to a handle, what prefill checks.
