@@ -93,9 +93,11 @@ def test_router_down_fails_requests_with_the_sdks_own_error(dead_url: str) -> No
 def test_close_on_a_router_that_died_meanwhile_never_raises(
     router: FakeRouter, base_client: OpenAI, dead_url: str
 ) -> None:
-    session = Session(router.url, settings=FAST)
+    # The turn goes through the live router (so there is a lease to release); the session
+    # API is at a dead address, as if the router went away after the turn.
+    session = Session(dead_url, settings=FAST)
     turn(session.wrap(base_client))
-    session._lease.base_url = dead_url  # the router went away after the turn
+    assert session.turns[0].outcome == "miss:first_turn"
     session.close()
     assert not session.released and session.events[-1].kind is EventKind.RELEASE_FAILED
 

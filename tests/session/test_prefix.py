@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import pytest
@@ -184,8 +185,14 @@ def test_prefix_breaks_can_be_logged_instead(
     s = Session(router.url, settings=SessionSettings(on_prefix_break="log"))
     wrapped = s.wrap(client)
     router.replies.append({"content": None, "reasoning": "grep first", "tool_calls": [CALL]})
-    with caplog.at_level(logging.WARNING, logger="kvtether"):
+    # Record warnings instead of raising them: under "warn" a PrefixBreakWarning would be
+    # issued (and, as an error, logged too), so only its absence shows the "log" branch ran.
+    with caplog.at_level(logging.WARNING, logger="kvtether"), warnings.catch_warnings(
+        record=True
+    ) as issued:
+        warnings.simplefilter("always")
         agent_turns(wrapped, s, stable=False)
+    assert [w for w in issued if issubclass(w.category, PrefixBreakWarning)] == []
     assert "reasoning_stripped" in caplog.text
     assert s.turns[1].prefix.cause == "reasoning_stripped"
     s.close()

@@ -10,17 +10,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import httpx
 
-from kvtether.protocol import HeartbeatRequest, HeartbeatResponse, Phase
+from kvtether.protocol import HeartbeatResponse
 from kvtether.session._records import EventKind, ToolRun
 
 if TYPE_CHECKING:
-    from kvtether.session._base import BaseSession
+    from kvtether.session._state import SessionState
 
 __all__ = ["Beat", "HeartbeatPlan", "ThreadHeartbeat", "TaskHeartbeat"]
 
@@ -40,60 +39,53 @@ _JOIN_TIMEOUT_S = 1.0  # stop() returns at once unless a heartbeat is in flight
 
 
 class HeartbeatPlan:
-    """What one tool run's heartbeats say, and how long to wait between them."""
+    """What one tool run's heartbeats say, and how long to wait between them.
 
-    def __init__(self, session: BaseSession, run: ToolRun, eta_s: float | None) -> None:
-        self._session = session
+    Used by one heartbeat at a time; reads and reports through the session's ``SessionState``.
+    """
+
+    def __init__(self, state: SessionState, run: ToolRun, eta_s: float | None) -> None:
+        self._state = state
         self._run = run
         self._eta_s = eta_s
-        self._started_s = time.monotonic()
-        self._failures = 0
-        self.url = session._heartbeat_url()
+        self._started_s = state.clock()
+        self._failures = 0  # in a row; resets on success
+        self.url = state.session_url("/heartbeat")
 
     @property
     def wanted(self) -> bool:
-        return self.url is not None and self._session._lease.has_lease
+        return self.url is not None and self._state.has_lease
 
     def body(self) -> bytes | None:
         """The next heartbeat's JSON, or None when there is no lease to keep."""
-        if not self.wanted:
+        if self.url is None:
             return None
-        elapsed_s = time.monotonic() - self._started_s
-        guess = self._session._predictor.at_tool(
-            self._run.key, elapsed_s=elapsed_s, eta_s=self._eta_s
-        )
-        request = HeartbeatRequest(
-            phase=Phase.TOOL_RUNNING,
-            tool_name=self._run.name[:200],
-            expected_duration_s=round(guess.next_turn_gap_s, 3),
-            next_prompt_tokens=guess.next_prompt_tokens,
-        )
-        self._session._predicted_next_tokens = guess.next_prompt_tokens
-        return request.model_dump_json(exclude_none=True).encode()
+        elapsed_s = self._state.clock() - self._started_s
+        request = self._state.heartbeat_request(self._run, elapsed_s=elapsed_s, eta_s=self._eta_s)
+        return None if request is None else request.model_dump_json(exclude_none=True).encode()
 
     def on_response(self, status_code: int, content: bytes) -> float | None:
         """Seconds until the next heartbeat, or None to stop."""
-        s = self._session
+        state = self._state
         if status_code == 200:
             try:
                 remaining_s = HeartbeatResponse.model_validate_json(content).lease_remaining_s
             except ValueError:
                 return self._failed("unreadable heartbeat response")
-            with s._lock:
-                s._lease.lease_remaining_s = remaining_s
-                self._run.heartbeats += 1
+            state.heartbeat_renewed(self._run, remaining_s)
             self._failures = 0
-            return max(_MIN_INTERVAL_S, min(s._settings.heartbeat_interval_s, remaining_s / 3))
+            interval_s = state.settings.heartbeat_interval_s
+            return max(_MIN_INTERVAL_S, min(interval_s, remaining_s / 3))
         if status_code == 404:
-            s._lose_lease(EventKind.LEASE_NOT_FOUND, "router holds no lease", kv_gone=False)
+            state.lose_lease(EventKind.LEASE_NOT_FOUND, "router holds no lease", kv_gone=False)
             return None
         if status_code == 410:
-            s._lose_lease(EventKind.KV_GONE, "KV released, evicted or expired", kv_gone=True)
+            state.lose_lease(EventKind.KV_GONE, "KV released, evicted or expired", kv_gone=True)
             return None
         if 400 <= status_code < 500 and status_code != 429:
             detail = content[:200].decode(errors="replace")
-            s._record(EventKind.HEARTBEAT_REJECTED, f"HTTP {status_code}: {detail}")
-            s._warn_once(
+            state.record(EventKind.HEARTBEAT_REJECTED, f"HTTP {status_code}: {detail}")
+            state.warn_once(
                 "heartbeat_rejected",
                 "router rejected a heartbeat (HTTP %s): %s",
                 status_code,
@@ -106,18 +98,9 @@ class HeartbeatPlan:
         return self._failed(f"{type(exc).__name__}: {exc}")
 
     def _failed(self, detail: str) -> float:
-        s = self._session
-        with s._lock:
-            self._run.heartbeat_failures += 1
-        if self._failures == 0:
-            s._record(EventKind.HEARTBEAT_FAILED, f"{self._run.name}: {detail}")
-        s._warn_once(
-            "heartbeat_failed",
-            "heartbeat to the kvtether router failed (%s); retrying quietly with backoff",
-            detail,
-        )
+        self._state.heartbeat_failed(self._run, detail, first=self._failures == 0)
         self._failures += 1
-        settings = s._settings
+        settings = self._state.settings
         return min(
             settings.heartbeat_interval_s * 2.0**self._failures, settings.max_heartbeat_backoff_s
         )

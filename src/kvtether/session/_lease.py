@@ -1,4 +1,4 @@
-"""The client's view of its lease on the router, and the session API calls about it."""
+"""The client's view of its lease on the router, and the session API's URLs and answers."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import httpx
 from kvtether.errors import RouterUnavailableError, SessionError, SessionGone, SessionNotFound
 from kvtether.protocol import SessionStatus
 
-__all__ = ["LeaseState", "session_url", "release_at_exit", "parse_status", "unavailable"]
+__all__ = ["LeaseState", "session_url", "delete_at_exit", "parse_status", "unavailable"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class LeaseState:
-    """Shared by a session and its exit finalizer, which must not reference the session."""
+    """Plain fields; ``SessionState`` owns one and guards it with its lock."""
 
     conversation_id: str
     base_url: str | None
@@ -37,25 +37,21 @@ def session_url(state: LeaseState, suffix: str = "") -> str | None:
     return f"{state.base_url}/v1/sessions/{quote(state.conversation_id, safe='')}{suffix}"
 
 
-def release_at_exit(state: LeaseState) -> None:
-    """``weakref.finalize`` callback: free the KV of a session nobody closed. Never raises."""
-    url = session_url(state)
-    if url is None or not state.has_lease or state.released:
-        return
+def delete_at_exit(url: str, timeout_s: float) -> bool:
+    """Release from a finalizer: True if the router no longer holds the KV. Never raises."""
     try:
         # Plain-http routers need no CA certificates, which take long to load.
         verify = url.startswith("https:")
-        with httpx.Client(timeout=state.timeout_s, verify=verify) as client:
+        with httpx.Client(timeout=timeout_s, verify=verify) as client:
             response = client.delete(url)
-        if response.status_code in (200, 204, 404):
-            state.released, state.has_lease = True, False
+        return response.status_code in (200, 204, 404)
     except Exception:  # noqa: BLE001 - at interpreter exit anything may be half torn down
-        pass
+        return False
 
 
-def parse_status(state: LeaseState, response: httpx.Response) -> SessionStatus:
+def parse_status(conversation_id: str, response: httpx.Response) -> SessionStatus:
     """``GET /v1/sessions/{id}`` response → ``SessionStatus``, or the matching exception."""
-    cid = state.conversation_id
+    cid = conversation_id
     if response.status_code == 200:
         return SessionStatus.model_validate_json(response.content)
     message = _error_message(response)
@@ -78,9 +74,9 @@ def parse_status(state: LeaseState, response: httpx.Response) -> SessionStatus:
     )
 
 
-def unavailable(state: LeaseState, exc: httpx.HTTPError) -> RouterUnavailableError:
+def unavailable(base_url: str | None, exc: httpx.HTTPError) -> RouterUnavailableError:
     return RouterUnavailableError(
-        f"the kvtether router at {state.base_url} did not answer ({type(exc).__name__}: {exc}); "
+        f"the kvtether router at {base_url} did not answer ({type(exc).__name__}: {exc}); "
         "check that it runs and that base_url points at it"
     )
 

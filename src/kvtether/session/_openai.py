@@ -22,7 +22,7 @@ from kvtether.protocol import HEADER_CONVERSATION_ID, HEADER_HINTS
 from kvtether.session._exchange import Endpoint, Exchange
 
 if TYPE_CHECKING:
-    from kvtether.session._base import BaseSession
+    from kvtether.session._state import SessionState
 
 __all__ = ["wrap_client"]
 
@@ -58,7 +58,7 @@ def _with_usage(body_bytes: bytes, body: dict[str, Any]) -> bytes | None:
     return json.dumps(body, ensure_ascii=False).encode()
 
 
-def _prepare(session: BaseSession, request: Any, mod: ModuleType) -> tuple[Any, Exchange] | None:
+def _prepare(state: SessionState, request: Any, mod: ModuleType) -> tuple[Any, Exchange] | None:
     """Tag a chat/completions request; None for anything the session does not follow."""
     endpoint = _endpoint(request)
     if endpoint is None:
@@ -72,7 +72,7 @@ def _prepare(session: BaseSession, request: Any, mod: ModuleType) -> tuple[Any, 
         return None
     new_body = _with_usage(body_bytes, body) if body.get("stream") else None
     retry = request.headers.get(_RETRY_HEADER, "0")
-    ex = session._begin(
+    ex = state.begin(
         endpoint,
         body,
         len(body_bytes),
@@ -88,8 +88,8 @@ def _prepare(session: BaseSession, request: Any, mod: ModuleType) -> tuple[Any, 
             content=new_body,
             extensions=request.extensions,
         )
-    request.headers[HEADER_CONVERSATION_ID] = session.conversation_id
-    if ex.hints is not None and session._settings.send_hints:
+    request.headers[HEADER_CONVERSATION_ID] = state.conversation_id
+    if ex.hints is not None and state.settings.send_hints:
         request.headers[HEADER_HINTS] = ex.hints.model_dump_json(exclude_none=True)
     return request, ex
 
@@ -165,11 +165,12 @@ def _transports(mod: ModuleType) -> tuple[type, type]:
                 self._ex.end(completed=False)
 
     class SyncTransport(mod.BaseTransport):  # type: ignore[name-defined,misc]
-        def __init__(self, session: BaseSession, inner: Any) -> None:
-            self._session, self.inner = session, inner
+        def __init__(self, state: SessionState, inner: Any, owner: object) -> None:
+            self._state, self.inner = state, inner
+            self._owner = owner  # see wrap_client
 
         def handle_request(self, request: Any) -> Any:
-            prepared = _prepare(self._session, request, mod)
+            prepared = _prepare(self._state, request, mod)
             if prepared is None:
                 return self.inner.send(request, stream=True)
             request, ex = prepared
@@ -182,11 +183,12 @@ def _transports(mod: ModuleType) -> tuple[type, type]:
             return _response(mod, response, SyncStream(response, ex))
 
     class AsyncTransport(mod.AsyncBaseTransport):  # type: ignore[name-defined,misc]
-        def __init__(self, session: BaseSession, inner: Any) -> None:
-            self._session, self.inner = session, inner
+        def __init__(self, state: SessionState, inner: Any, owner: object) -> None:
+            self._state, self.inner = state, inner
+            self._owner = owner  # see wrap_client
 
         async def handle_async_request(self, request: Any) -> Any:
-            prepared = _prepare(self._session, request, mod)
+            prepared = _prepare(self._state, request, mod)
             if prepared is None:
                 return await self.inner.send(request, stream=True)
             request, ex = prepared
@@ -209,7 +211,12 @@ def _http_module(http_client: Any) -> ModuleType | None:
     return None
 
 
-def wrap_client(session: BaseSession, client: Any) -> Any:
+def wrap_client(state: SessionState, client: Any, owner: object) -> Any:
+    """``client`` with its chat/completions requests reported into ``state``.
+
+    ``owner`` (the session) is only held: while the wrapped client is in use, its session must
+    not be collected, or the session's exit finalizer would release the KV mid-conversation.
+    """
     # openai 2.x and 3.x both keep their HTTP client in `_client`; `with_options` is public.
     inner: Any = getattr(client, "_client", None)
     mod = _http_module(inner)
@@ -222,7 +229,7 @@ def wrap_client(session: BaseSession, client: Any) -> Any:
     inner = getattr(inner, "_kvtether_inner", inner)
     sync_transport, async_transport = _transports(mod)
     is_async = isinstance(inner, mod.AsyncClient)
-    transport = (async_transport if is_async else sync_transport)(session, inner)
+    transport = (async_transport if is_async else sync_transport)(state, inner, owner)
     outer = (mod.AsyncClient if is_async else mod.Client)(
         transport=transport,
         headers=inner.headers,

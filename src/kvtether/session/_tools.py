@@ -9,23 +9,26 @@ from __future__ import annotations
 
 import functools
 import inspect
-import time
 from collections.abc import AsyncGenerator, Callable, Generator
 from contextvars import Token
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvtether.session._base import CURRENT_STEP
 from kvtether.session._heartbeat import Beat, HeartbeatPlan
 from kvtether.session._predict import tool_key
 from kvtether.session._records import ToolRun
+from kvtether.session._state import CURRENT_STEP
 
 if TYPE_CHECKING:
-    from kvtether.session._base import BaseSession
+    from kvtether.session._state import SessionState
 
-__all__ = ["ToolCall", "StepScope", "decorate", "bound_arguments"]
+__all__ = ["ToolCall", "StepScope", "StartHeartbeat", "decorate", "bound_arguments"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# Starts the heartbeat of one tool run (the twin's I/O): (plan, in_task) -> the running beat.
+# ``in_task``: entered with ``async with``, so an asyncio task can beat next to the tool.
+StartHeartbeat = Callable[[HeartbeatPlan, bool], Beat]
 
 
 class ToolCall:
@@ -36,9 +39,16 @@ class ToolCall:
     """
 
     def __init__(
-        self, session: BaseSession, name: str, *, eta_s: float | None = None, args: Any = None
+        self,
+        state: SessionState,
+        start_heartbeat: StartHeartbeat,
+        name: str,
+        *,
+        eta_s: float | None = None,
+        args: Any = None,
     ) -> None:
-        self._session = session
+        self._state = state
+        self._start_heartbeat = start_heartbeat
         self.name = name
         self._eta_s = eta_s
         self._key = tool_key(name, args)
@@ -49,11 +59,11 @@ class ToolCall:
     def _start(self, *, in_task: bool) -> ToolRun:
         if self.run is not None:
             raise RuntimeError("a tool_call() context can be entered only once")
-        self.run = self._session._tool_started(self.name, self._key, self._eta_s)
-        self._t0 = time.monotonic()
-        plan = HeartbeatPlan(self._session, self.run, self._eta_s)
+        self.run = self._state.tool_started(self.name, self._key, self._eta_s)
+        self._t0 = self._state.clock()
+        plan = HeartbeatPlan(self._state, self.run, self._eta_s)
         if plan.wanted:  # no lease yet (or no kvtether router): nothing to keep alive
-            self._beat = self._session._start_heartbeat(plan, in_task=in_task)
+            self._beat = self._start_heartbeat(plan, in_task)
         return self.run
 
     def _finish(self, exc: BaseException | None) -> None:
@@ -61,7 +71,7 @@ class ToolCall:
         # A consumer that stops iterating a generator tool early is no failure of the tool.
         failed = exc is not None and not isinstance(exc, GeneratorExit)
         error = type(exc).__name__ if failed else None
-        self._session._tool_finished(self.run, time.monotonic() - self._t0, error)
+        self._state.tool_finished(self.run, self._state.clock() - self._t0, error)
 
     def __enter__(self) -> ToolRun:
         return self._start(in_task=False)
@@ -91,14 +101,14 @@ class ToolCall:
 class StepScope:
     """Marks code as one iteration of the agent loop; requests made in it carry its number."""
 
-    def __init__(self, session: BaseSession) -> None:
-        self._session = session
+    def __init__(self, state: SessionState) -> None:
+        self._state = state
         self._token: Token[tuple[int, int] | None] | None = None
         self.step = 0
 
     def __enter__(self) -> int:
-        self.step = self._session._next_step()
-        self._token = CURRENT_STEP.set((id(self._session), self.step))
+        self.step = self._state.next_step()
+        self._token = CURRENT_STEP.set((id(self._state), self.step))
         return self.step
 
     def __exit__(self, *exc_info: object) -> None:
