@@ -36,6 +36,8 @@ class ToolCall:
 
     The body is timed, heartbeats keep the lease alive while it runs, and they stop when the
     body returns, raises or is cancelled; the exception itself always reaches the caller.
+    Exported as the type ``session.tool_call()`` returns; get one from that method (the
+    constructor's arguments are the session's internals).
     """
 
     def __init__(
