@@ -201,16 +201,13 @@ def _hints(request: Request, body: dict[str, Any]) -> p.TurnHints | None:
             return p.parse_hints_header(header)
         if p.BODY_HINTS in body:
             return p.TurnHints.model_validate(body[p.BODY_HINTS])
-    except ValueError as exc:  # ValidationError is a ValueError
-        msg = str(exc) if not isinstance(exc, ValidationError) else _first(exc)
-        raise RouterHTTPError(400, msg, param=p.BODY_HINTS) from None
+    except ValidationError as exc:
+        raise RouterHTTPError(
+            400, f"invalid {p.BODY_HINTS}: {p.first_field_error(exc)}", param=p.BODY_HINTS
+        ) from None
+    except ValueError as exc:  # the header's own parse errors, already readable
+        raise RouterHTTPError(400, str(exc), param=p.BODY_HINTS) from None
     return None
-
-
-def _first(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"])
-    return f"invalid {p.BODY_HINTS}: {loc}: {err['msg']}"
 
 
 def _counted(handler, metrics: RouterMetrics):  # noqa: ANN001, ANN202

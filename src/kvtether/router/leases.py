@@ -13,14 +13,13 @@ from typing import Any
 
 import httpx
 
+from kvtether.protocol import CONTROL_API_PREFIX as _PREFIX
 from kvtether.protocol import LeaseInfo
 from kvtether.router.backends import Backend
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LeaseClient", "RenewResult"]
-
-_PREFIX = "/kvtether/v1"
 
 
 @dataclass(frozen=True)

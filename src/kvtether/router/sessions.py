@@ -79,9 +79,8 @@ class SessionAPI:
         except json.JSONDecodeError as exc:
             raise RouterHTTPError(400, f"heartbeat body is not valid JSON: {exc}") from None
         except ValidationError as exc:
-            err = exc.errors()[0]
-            loc = ".".join(str(x) for x in err["loc"]) or "body"
-            raise RouterHTTPError(400, f"invalid heartbeat: {loc}: {err['msg']}", param=loc) from None
+            err = p.first_field_error(exc)
+            raise RouterHTTPError(400, f"invalid heartbeat: {err}", param=err.loc) from None
 
         now = time.time()
         r = conv.retained
