@@ -3,6 +3,10 @@
 This is the one module that the client session layer, the router and the vLLM connector all
 import. Everything here is public and versioned by ``PROTOCOL_VERSION``; change it only in
 backward-compatible ways (new optional fields, new miss causes) unless the version changes.
+
+Why one module of ~500 lines: it is the contract, read top to bottom by whoever implements a
+client, router or connector of another version; splitting it would make them chase names
+across files. It holds only constants, pydantic models and small pure helpers.
 """
 
 from __future__ import annotations
