@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from kvtether import protocol as p
 from kvtether.router._clock import Clock, SystemClock
+from kvtether.router._deps import RouterDeps
 from kvtether.router._errors import RouterHTTPError, UpstreamError, error_response
 from kvtether.router.backends import BackendPool
 from kvtether.router.conversations import ConversationStore, InMemoryConversationStore
@@ -60,10 +61,10 @@ def create_app(
     store = store or InMemoryConversationStore(
         settings.max_conversations, release_dropped, clock.now_unix_s
     )
-    leases = LeaseClient()
-    retention = Retention(settings, pool, store, leases, metrics, clock)
-    runner = TurnRunner(settings, pool, store, retention, leases, metrics, clock)
-    sessions = SessionAPI(settings, store, retention, metrics, clock)
+    deps = RouterDeps(settings, pool, store, LeaseClient(), metrics, clock)
+    retention = Retention(deps)
+    runner = TurnRunner(deps, retention)
+    sessions = SessionAPI(deps, retention)
     served: dict[str, Any] = {"models": None}
 
     async def served_models() -> list[str] | None:

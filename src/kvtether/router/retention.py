@@ -12,13 +12,11 @@ import logging
 from typing import Any
 
 from kvtether import protocol as p
-from kvtether.router._clock import Clock
-from kvtether.router.backends import Backend, BackendPool
+from kvtether.router._deps import RouterDeps
+from kvtether.router.backends import Backend
 from kvtether.router.budget import pick_evictions
-from kvtether.router.conversations import Conversation, ConversationStore, RetainedKV
-from kvtether.router.leases import LeaseClient, RenewStatus
-from kvtether.router.metrics import RouterMetrics
-from kvtether.router.settings import RouterSettings
+from kvtether.router.conversations import Conversation, RetainedKV
+from kvtether.router.leases import RenewStatus
 
 logger = logging.getLogger(__name__)
 
@@ -34,21 +32,11 @@ class RenewOutcome(str, enum.Enum):
 
 
 class Retention:
-    def __init__(
-        self,
-        settings: RouterSettings,
-        pool: BackendPool,
-        store: ConversationStore,
-        leases: LeaseClient,
-        metrics: RouterMetrics,
-        clock: Clock,
-    ) -> None:
-        self.s = settings
-        self.pool = pool
-        self.store = store
-        self.leases = leases
-        self.metrics = metrics
-        self.clock = clock
+    def __init__(self, deps: RouterDeps) -> None:
+        self.deps = deps
+        self.s = deps.settings
+        self.pool = deps.pool
+        self.metrics = deps.metrics
 
     # ---------------------------------------------------------------- holding
     def retain(
@@ -56,7 +44,7 @@ class Retention:
         handle_key: str | None, lease_s: float,
     ) -> None:
         """Record D's handle for the conversation's next turn."""
-        now = self.clock.now_unix_s()
+        now = self.deps.clock.now_unix_s()
         retained = RetainedKV(
             decode_instance=decode.name,
             params=handle,
@@ -104,7 +92,7 @@ class Retention:
         if r is not None:
             decode = self.pool.by_name(r.decode_instance)
             if decode is not None:
-                await self.leases.release(decode, r.handle_key)
+                await self.deps.leases.release(decode, r.handle_key)
 
     async def release_by_client(self, conv: Conversation) -> int:
         """DELETE of the session: frees the KV; returns how many tokens were held."""
@@ -125,8 +113,8 @@ class Retention:
 
     async def reap_expired(self, now_unix_s: float | None = None) -> None:
         """Free every lease past its deadline, except those of a turn in flight."""
-        now = self.clock.now_unix_s() if now_unix_s is None else now_unix_s
-        for conv in self.store.values():
+        now = self.deps.clock.now_unix_s() if now_unix_s is None else now_unix_s
+        for conv in self.deps.store.values():
             r = conv.retained
             if r is not None and r.lease_deadline_unix_s <= now and not conv.lock.locked():
                 await self.expire(conv)
@@ -145,12 +133,12 @@ class Retention:
         if incoming > cap:
             await self.evict(conv)
             return
-        others = [c for c in self.store.values()
+        others = [c for c in self.deps.store.values()
                   if c is not conv and c.retained is not None
                   and c.retained.decode_instance == decode.name]
         held = decode.retained_tokens - incoming
         victims = pick_evictions(others, held, incoming, cap, self.s.lease_ttl_s,
-                                 now_unix_s=self.clock.now_unix_s())
+                                 now_unix_s=self.deps.clock.now_unix_s())
         for victim in victims:
             await self.evict(victim)
 
@@ -165,7 +153,7 @@ class Retention:
         r = conv.retained
         if r is None:
             return
-        now = self.clock.now_unix_s()
+        now = self.deps.clock.now_unix_s()
         remaining_s = r.lease_deadline_unix_s - now
         if (r.handle_key is None or remaining_s >= self.s.handoff_lease_s
                 or remaining_s <= self.s.lease_safety_margin_s):
@@ -173,7 +161,7 @@ class Retention:
         decode = self.pool.by_name(r.decode_instance)
         if decode is None:
             return
-        result = await self.leases.renew(decode, r.handle_key, self.s.handoff_lease_s)
+        result = await self.deps.leases.renew(decode, r.handle_key, self.s.handoff_lease_s)
         if result.status is RenewStatus.RENEWED and result.lease is not None:
             r.renewed(result.lease)
             self.metrics.lease_events.labels("extended_at_handoff").inc()
@@ -184,13 +172,13 @@ class Retention:
         """A heartbeat's renewal of the conversation's live lease to now + ``ttl_s``."""
         r = conv.retained
         assert r is not None
-        now = self.clock.now_unix_s()
+        now = self.deps.clock.now_unix_s()
         decode = self.pool.by_name(r.decode_instance)
         if decode is None:
             status = RenewStatus.GONE
             lease = None
         else:
-            result = await self.leases.renew(decode, r.handle_key, ttl_s)
+            result = await self.deps.leases.renew(decode, r.handle_key, ttl_s)
             status, lease = result.status, result.lease
         if status is RenewStatus.GONE:
             await self.release(conv, p.MissCause.LEASE_EXPIRED)

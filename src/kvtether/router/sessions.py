@@ -12,12 +12,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvtether import protocol as p
-from kvtether.router._clock import Clock
+from kvtether.router._deps import RouterDeps
 from kvtether.router._errors import RouterHTTPError
-from kvtether.router.conversations import Conversation, ConversationStore
-from kvtether.router.metrics import RouterMetrics
+from kvtether.router.conversations import Conversation
 from kvtether.router.retention import RenewOutcome, Retention
-from kvtether.router.settings import RouterSettings
 
 logger = logging.getLogger(__name__)
 
@@ -25,19 +23,12 @@ __all__ = ["SessionAPI"]
 
 
 class SessionAPI:
-    def __init__(
-        self,
-        settings: RouterSettings,
-        store: ConversationStore,
-        retention: Retention,
-        metrics: RouterMetrics,
-        clock: Clock,
-    ) -> None:
-        self.s = settings
-        self.store = store
+    def __init__(self, deps: RouterDeps, retention: Retention) -> None:
+        self.s = deps.settings
+        self.store = deps.store
+        self.metrics = deps.metrics
+        self.clock = deps.clock
         self.retention = retention
-        self.metrics = metrics
-        self.clock = clock
 
     def routes(self) -> list[Route]:
         return [

@@ -16,16 +16,13 @@ from starlette.responses import Response, StreamingResponse
 
 from kvtether import protocol as p
 from kvtether.router import legs
-from kvtether.router._clock import Clock
+from kvtether.router._deps import RouterDeps
 from kvtether.router._errors import RouterHTTPError
-from kvtether.router.backends import Backend, BackendPool
-from kvtether.router.conversations import Conversation, ConversationStore, RetainedKV
-from kvtether.router.leases import LeaseClient
-from kvtether.router.metrics import RouterMetrics
+from kvtether.router.backends import Backend
+from kvtether.router.conversations import Conversation, RetainedKV
 from kvtether.router.relay import TurnContext, relay_once, relay_stream
 from kvtether.router.retention import Retention
 from kvtether.router.reuse import ReusePlan, plan_reuse
-from kvtether.router.settings import RouterSettings
 
 logger = logging.getLogger(__name__)
 
@@ -57,27 +54,15 @@ class TurnRequest:
 
 
 class TurnRunner:
-    def __init__(
-        self,
-        settings: RouterSettings,
-        pool: BackendPool,
-        store: ConversationStore,
-        retention: Retention,
-        leases: LeaseClient,
-        metrics: RouterMetrics,
-        clock: Clock,
-    ) -> None:
-        self.s = settings
-        self.pool = pool
-        self.store = store
+    def __init__(self, deps: RouterDeps, retention: Retention) -> None:
+        self.deps = deps
+        self.s = deps.settings
+        self.pool = deps.pool
         self.retention = retention
-        self.leases = leases
-        self.metrics = metrics
-        self.clock = clock
 
     # ---------------------------------------------------------------- entry point
     async def run(self, req: TurnRequest) -> Response:
-        conv = self.store.get_or_create(req.conversation_id) if req.conversation_id else None
+        conv = self.deps.store.get_or_create(req.conversation_id) if req.conversation_id else None
         if conv is None:
             return await self._run_locked(req, None)
         await conv.lock.acquire()
@@ -93,7 +78,7 @@ class TurnRunner:
         return response
 
     async def _run_locked(self, req: TurnRequest, conv: Conversation | None) -> Response:
-        started = self.clock.now_unix_s()
+        started = self.deps.clock.now_unix_s()
         prefill = self.pool.pick_prefill()
         if prefill is None:
             raise RouterHTTPError(503, "no prefill instance is reachable; retry shortly")
@@ -116,7 +101,7 @@ class TurnRunner:
             if taken is not None and 400 <= exc.status < 500 and conv is not None:
                 self.retention.restore(conv, taken)
             raise
-        self.metrics.prefill_leg_s.observe(leg.leg_s)
+        self.deps.metrics.prefill_leg_s.observe(leg.leg_s)
         outcome = self._outcome(plan, leg)
 
         handle_key = uuid.uuid4().hex
@@ -161,10 +146,10 @@ class TurnRunner:
 
         if req.stream:
             return relay_stream(
-                ctx, settle, lambda: self.leases.fetch_handle(decode, ctx.handle_key),
-                self.clock, self.metrics,
+                ctx, settle, lambda: self.deps.leases.fetch_handle(decode, ctx.handle_key),
+                self.deps.clock, self.deps.metrics,
             )
-        return await relay_once(ctx, settle, self.clock)
+        return await relay_once(ctx, settle, self.deps.clock)
 
     # ---------------------------------------------------------------- planning
     async def _plan(
@@ -191,7 +176,7 @@ class TurnRunner:
             block_size=self.s.kv_block_size_tokens,
             recompute_threshold_tokens=self.s.kv_recompute_threshold_tokens,
             safety_margin_s=self.s.lease_safety_margin_s,
-            now_unix_s=self.clock.now_unix_s(),
+            now_unix_s=self.deps.clock.now_unix_s(),
         )
 
     def _outcome(self, plan: ReusePlan, leg: legs.PrefillResult) -> p.ReuseOutcome:
@@ -225,10 +210,10 @@ class TurnRunner:
         conv, decode = ctx.conv, ctx.decode
         if conv is None:
             # Nobody can ask for this KV again.
-            await self.leases.release(decode, ctx.handle_key)
+            await self.deps.leases.release(decode, ctx.handle_key)
             return
         conv.turns.append(ctx.record)
-        conv.last_active_unix_s = self.clock.now_unix_s()
+        conv.last_active_unix_s = self.deps.clock.now_unix_s()
         if hints is not None:
             conv.phase = hints.phase
             conv.expected_next_prompt_tokens = hints.next_prompt_tokens
@@ -237,7 +222,7 @@ class TurnRunner:
             if handle:
                 logger.warning("decode %s returned a malformed KV handle; not reusing it",
                                decode.name)
-                await self.leases.release(decode, ctx.handle_key)
+                await self.deps.leases.release(decode, ctx.handle_key)
             return
         assert handle is not None
         if conv.retained is not None:  # cannot happen in order, but never leak a lease
@@ -272,7 +257,7 @@ class TurnRunner:
         return h
 
     def _count(self, outcome: p.ReuseOutcome, record: p.TurnRecord) -> None:
-        m = self.metrics
+        m = self.deps.metrics
         m.turns.labels(outcome.label).inc()
         if outcome.fired:
             m.reuse_fired.inc()
