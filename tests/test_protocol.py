@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from kvtether import protocol as p
 
@@ -74,3 +75,41 @@ def test_block_hashes_are_chained():
 )
 def test_matching_prefix_is_whole_blocks(cached, prompt, expected):
     assert p.matching_prefix_tokens(cached, prompt, 32) == expected
+
+
+def test_truncate_handle_cuts_a_copy_to_whole_blocks():
+    handle = {"remote_block_ids": [[10, 11, 12, 13]], "remote_num_tokens": 60, "other": {"x": 1}}
+    cut = p.truncate_handle(handle, 2, 16)
+    assert cut == {"remote_block_ids": [[10, 11]], "remote_num_tokens": 32, "other": {"x": 1}}
+    assert handle["remote_block_ids"] == [[10, 11, 12, 13]]  # the original is untouched
+    cut["other"]["x"] = 2
+    assert handle["other"]["x"] == 1
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [
+        [[1, 2, 3], [7, 8, 9]],  # hybrid model: a group may hold only a window's tail
+        [1, 2, 3],  # not nested per KV cache group
+        [],
+        None,
+    ],
+)
+def test_truncate_handle_refuses_what_it_cannot_cut_exactly(groups):
+    assert p.truncate_handle({"remote_block_ids": groups, "remote_num_tokens": 48}, 1, 16) is None
+
+
+def test_truncate_handle_of_no_blocks_is_nothing_to_read():
+    assert p.truncate_handle({"remote_block_ids": [[1, 2]], "remote_num_tokens": 32}, 0, 16) is None
+
+
+def test_first_field_error_names_the_field_and_the_problem():
+    with pytest.raises(ValidationError) as info:
+        p.HeartbeatRequest.model_validate({"expected_duration_s": -3, "phase": "nope"})
+    err = p.first_field_error(info.value)
+    assert err.path == ("phase",) and err.input == "nope"
+    assert str(err).startswith("phase: Input should be")
+
+    with pytest.raises(ValidationError) as info:
+        p.HeartbeatRequest.model_validate([1])
+    assert p.first_field_error(info.value).loc == "body"  # the whole value was wrong

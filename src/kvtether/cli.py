@@ -28,6 +28,7 @@ from pydantic_settings import (
 )
 
 from kvtether.errors import KVTetherError
+from kvtether.protocol import first_field_error
 from kvtether.router.settings import RouterSettings
 from kvtether.stack.models import ModelName
 from kvtether.stack.settings import StackSettings, stack_settings_subset
@@ -200,13 +201,12 @@ def _passthrough(command: str, argv: list[str], log_level: str) -> int:
 
 
 def _first_validation_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    cause = (err.get("ctx") or {}).get("error")
-    if isinstance(cause, KVTetherError):  # e.g. a ConfigError raised while reading --config
-        return str(cause)
-    loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "json-"))]
+    err = first_field_error(exc)
+    if isinstance(err.cause, KVTetherError):  # e.g. a ConfigError raised while reading --config
+        return str(err.cause)
+    loc = [p for p in err.path if not p.startswith(("function-", "json-"))]
     flag = "--" + loc[-1].replace("_", "-") if loc else "value"
-    return f"invalid {flag}: {err['msg']}"
+    return f"invalid {flag}: {err.msg}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

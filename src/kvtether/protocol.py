@@ -3,14 +3,20 @@
 This is the one module that the client session layer, the router and the vLLM connector all
 import. Everything here is public and versioned by ``PROTOCOL_VERSION``; change it only in
 backward-compatible ways (new optional fields, new miss causes) unless the version changes.
+
+Why one module of ~500 lines: it is the contract, read top to bottom by whoever implements a
+client, router or connector of another version; splitting it would make them chase names
+across files. It holds only constants, pydantic models and small pure helpers.
 """
 
 from __future__ import annotations
 
+import copy
 import enum
 import hashlib
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -58,6 +64,9 @@ __all__ = [
     "KV_PARAM_REUSED_TOKENS",
     "KV_PARAM_PULL",
     "PREFILL_READ_MARGIN_S",
+    "FieldError",
+    "first_field_error",
+    "truncate_handle",
     "LeaseState",
     "PullOutcome",
     "LeaseRenewRequest",
@@ -197,13 +206,41 @@ def parse_hints_header(value: str) -> TurnHints:
     try:
         return TurnHints.model_validate(data)
     except ValidationError as exc:
-        raise ValueError(f"invalid {HEADER_HINTS}: {_first_error(exc)}") from None
+        raise ValueError(f"invalid {HEADER_HINTS}: {first_field_error(exc)}") from None
 
 
-def _first_error(exc: ValidationError) -> str:
+# --- validation errors ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class FieldError:
+    """The first problem pydantic found, in the pieces every user-facing message is made of.
+
+    ``str()`` gives ``"<loc>: <msg>"``; callers prefix what was being validated
+    (``"invalid heartbeat: ..."``) or, like the CLI, turn ``path`` into a flag name.
+    """
+
+    path: tuple[str, ...]  # pydantic's loc, as strings; empty for the whole value
+    msg: str
+    input: Any = None
+    cause: BaseException | None = None  # an exception a validator raised, if any
+
+    @property
+    def loc(self) -> str:
+        return ".".join(self.path) or "body"
+
+    def __str__(self) -> str:
+        return f"{self.loc}: {self.msg}"
+
+
+def first_field_error(exc: ValidationError) -> FieldError:
+    """The first error of ``exc``: one clear problem is more useful to a user than a list."""
     err = exc.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"]) or "body"
-    return f"{loc}: {err['msg']}"
+    cause = (err.get("ctx") or {}).get("error")
+    return FieldError(
+        path=tuple(str(x) for x in err["loc"]),
+        msg=err["msg"],
+        input=err.get("input"),
+        cause=cause if isinstance(cause, BaseException) else None,
+    )
 
 
 # --- session API --------------------------------------------------------------------------
@@ -347,8 +384,42 @@ KV_PARAM_PREFIX_BREAK = "kvtether_prefix_break"  # P: the prompt differs from D'
 KV_PARAM_REUSED_TOKENS = "kvtether_reused_tokens"  # P: tokens actually read from D
 KV_PARAM_PULL = "kvtether_pull"  # P: a PullOutcome value
 
-# vLLM's prefill side declines to read a handle whose expiry is this close (seconds).
+# vLLM's prefill side declines to read a handle whose expiry is this close (seconds). This is
+# vLLM 0.32's ``_KV_BLOCKS_EXPIRY_SAFETY_MARGIN``, written here because the router and tests
+# must not import vLLM; the connector reports the running vLLM's own value in
+# ``ConnectorStatus.read_margin_s``, which is the one to trust when they differ. The router's
+# ``lease_safety_margin_s`` (default 6 s) must stay above it, or it forwards handles that P
+# then declines (a miss, never wrong KV).
 PREFILL_READ_MARGIN_S = 5.0
+
+# Eviction order, decode side and router side (why they differ, in one place):
+# * The connector on D (``kvtether_max_retained_tokens``) evicts the lease with the earliest
+#   deadline first. It sees no client hints, and the lease closest to lapsing is the one whose
+#   loss costs least: it would be freed soonest anyway.
+# * The router (``max_retained_tokens``) evicts the lease of least expected value first
+#   (``kvtether.router.budget.lease_value``: expected reuse share x freshness x phase). It sees
+#   the hints (phase, next prompt size, idle time) the connector does not.
+# The router learns of a connector eviction when a renewal answers "gone" or P's read fails
+# (a miss either way, never wrong KV), so the two orders may disagree without harm.
+
+
+def truncate_handle(
+    params: dict[str, Any], n_blocks: int, block_size: int
+) -> dict[str, Any] | None:
+    """A copy of a decode handle cut to its first ``n_blocks`` blocks; ``None`` if it cannot be.
+
+    Only single-group handles are cut. Hybrid models (sliding-window or mamba layers) keep only
+    a window's tail in some KV cache groups, so "the first n blocks" is not the same tokens in
+    every group there: such a handle is read whole or not at all, never cut (never wrong KV).
+    """
+    groups = params.get("remote_block_ids")
+    if (not isinstance(groups, list) or len(groups) != 1 or not isinstance(groups[0], list)
+            or n_blocks <= 0):
+        return None
+    cut = copy.deepcopy(params)
+    cut["remote_block_ids"] = [list(groups[0][:n_blocks])]
+    cut["remote_num_tokens"] = n_blocks * block_size
+    return cut
 
 
 class LeaseState(str, enum.Enum):

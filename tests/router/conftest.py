@@ -193,9 +193,12 @@ class Agent:
 @contextlib.asynccontextmanager
 async def make_router(
     *, n_prefill: int = 1, n_decode: int = 1, control: bool = False,
-    fake: dict[str, Any] | None = None, **settings: Any,
+    fake: dict[str, Any] | None = None, clock: Any = None, **settings: Any,
 ) -> AsyncIterator[Harness]:
-    """A router app with its lifespan running, in front of fresh fake instances."""
+    """A router app with its lifespan running, in front of fresh fake instances.
+
+    ``clock`` (e.g. ``ManualClock``) is the router's; the fake instances keep real time.
+    """
     cluster = Cluster()
     fake = fake or {}
     prefill = [
@@ -220,7 +223,7 @@ async def make_router(
         **settings,
     )
     transport = RoutingTransport(cluster)
-    app = create_app(rs, transport=transport)
+    app = create_app(rs, transport=transport, clock=clock)
     client = httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
         base_url="http://router",

@@ -9,6 +9,7 @@ import pytest
 
 from kvtether import protocol as p
 
+from .clock import ManualClock
 from .conftest import Harness, make_router
 
 
@@ -136,11 +137,12 @@ async def test_delete_unknown_404(h: Harness) -> None:
 
 @pytest.mark.parametrize("control", [False, True])
 async def test_lease_expiry(control: bool) -> None:
-    ttl = {"lease_ttl_s": 0.3} if control else {"decoder_kv_blocks_ttl_s": 0.3}
-    async with make_router(control=control, lease_safety_margin_s=0.0,
-                           fake={"read_margin_s": 0.0}, **ttl) as h:
+    ttl = {"lease_ttl_s": 30.0} if control else {"decoder_kv_blocks_ttl_s": 30.0}
+    clock = ManualClock()
+    async with make_router(control=control, lease_safety_margin_s=0.0, clock=clock,
+                           **ttl) as h:
         a = await two_turns(h, "exp")
-        await asyncio.sleep(0.45)
+        clock.advance(45.0)
         hb = await h.client.post("/v1/sessions/exp/heartbeat", json={})
         assert hb.status_code == 410
         assert hb.json()["error"]["code"] == "lease_expired"
@@ -161,20 +163,16 @@ async def test_lease_expired_within_safety_margin_not_forwarded() -> None:
         h.assert_kv_correct()
 
 
-def session_api(app):
-    """The router's SessionAPI object (the reaper's target), found through its routes."""
-    route = next(r for r in app.routes if getattr(r, "path", "").endswith("/heartbeat"))
-    return route.endpoint.__self__
-
-
 async def test_reaper_expires_idle_leases() -> None:
-    async with make_router(control=True, lease_ttl_s=30.0) as h:
+    clock = ManualClock()
+    async with make_router(control=True, lease_ttl_s=30.0, clock=clock) as h:
         await two_turns(h, "reap")
         assert len(h.d.held_leases()) == 1
-        await session_api(h.app).reap_expired(time.time())
+        await h.app.state.retention.reap_expired()
         assert h.d.releases == []  # not yet
         # What the lifespan's reaper task does every second, once the deadline has passed.
-        await session_api(h.app).reap_expired(time.time() + 31.0)
+        clock.advance(31.0)
+        await h.app.state.retention.reap_expired()
         status = (await h.client.get("/v1/sessions/reap")).json()
         assert status["lease_state"] == "expired"
         assert len(h.d.releases) == 1  # the router told D to free it

@@ -30,7 +30,13 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from pydantic import ValidationError
 
 from kvtether.connector._leases import LeaseTable, Reply
-from kvtether.protocol import CONTROL_API_PREFIX, ConnectorStatus, LeaseRenewRequest, error_body
+from kvtether.protocol import (
+    CONTROL_API_PREFIX,
+    ConnectorStatus,
+    LeaseRenewRequest,
+    error_body,
+    first_field_error,
+)
 
 __all__ = ["ControlServer", "render_metrics", "MAX_WAIT_S"]
 
@@ -138,9 +144,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             return model.model_validate_json(raw)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            loc = ".".join(str(p) for p in err["loc"]) or "body"
-            raise _BadRequest(f"invalid body: {loc}: {err['msg']}") from None
+            raise _BadRequest(f"invalid body: {first_field_error(exc)}") from None
 
     def _json(self, reply: Reply) -> None:
         self._send(reply.status, json.dumps(reply.body).encode(), "application/json")

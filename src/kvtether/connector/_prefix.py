@@ -27,6 +27,7 @@ from kvtether.protocol import (
     block_hashes,
     tail_block_hash,
 )
+from kvtether.protocol import truncate_handle as cut_handle
 
 __all__ = ["PrefixDecision", "PullRecord", "annotate_handle", "decide_prefix", "truncate_handle"]
 
@@ -90,20 +91,19 @@ def truncate_handle(params: dict[str, Any], decision: PrefixDecision) -> bool:
     """Apply a decision to ``params`` in place; False when nothing may be read.
 
     A handle with nothing to read keeps its block ids: upstream then sends decode the
-    "done" notification without reading, and decode frees the blocks at once.
+    "done" notification without reading, and decode frees the blocks at once. The cut itself
+    is :func:`kvtether.protocol.truncate_handle`, the one the router uses too.
     """
     k = decision.keep_blocks
     if k is None:
         return True
     if k == 0:
         return False
-    groups = params.get("remote_block_ids")
-    block_size = params[KV_PARAM_BLOCK_SIZE]
-    # Hybrid models keep only a window's tail in some groups; a prefix cut is not defined there.
-    if not isinstance(groups, list) or len(groups) != 1 or not isinstance(groups[0], list):
+    cut = cut_handle(params, k, params[KV_PARAM_BLOCK_SIZE])
+    if cut is None:
         return False
-    params["remote_block_ids"] = [groups[0][:k]]
-    params["remote_num_tokens"] = k * block_size
+    params["remote_block_ids"] = cut["remote_block_ids"]
+    params["remote_num_tokens"] = cut["remote_num_tokens"]
     return True
 
 

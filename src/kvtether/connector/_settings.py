@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvtether.errors import ConfigError
+from kvtether.protocol import first_field_error
 
 __all__ = ["ConnectorSettings", "CONTROL_PORT_ENV"]
 
@@ -84,9 +85,5 @@ class ConnectorSettings(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            field = ".".join(str(p) for p in err["loc"])
-            raise ConfigError(
-                f"invalid kv_connector_extra_config.{field}: {err['msg']} "
-                f"(got {err.get('input')!r})"
-            ) from None
+            err = first_field_error(exc)
+            raise ConfigError(f"invalid kv_connector_extra_config.{err} (got {err.input!r})") from None

@@ -8,10 +8,10 @@ from kvtether.router.settings import RouterSettings
 __all__ = ["RouterSettings", "create_app", "serve"]
 
 
-def create_app(settings: RouterSettings, store=None, transport=None):  # noqa: ANN001
+def create_app(settings: RouterSettings, store=None, transport=None, clock=None):  # noqa: ANN001
     from kvtether.router.app import create_app as _create
 
-    return _create(settings, store, transport)
+    return _create(settings, store, transport, clock)
 
 
 def serve(settings: RouterSettings) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from starlette.responses import JSONResponse
+from typing import Any
+
+import httpx
+from starlette.responses import JSONResponse, Response
 
 from kvtether.protocol import error_body
 
-__all__ = ["RouterHTTPError", "error_response"]
+__all__ = ["RouterHTTPError", "UpstreamError", "error_response"]
 
 _TYPES = {
     400: "invalid_request_error",
@@ -31,6 +34,29 @@ class RouterHTTPError(Exception):
         self.message = message
         self.param = param
         self.code = code
+
+
+class UpstreamError(RouterHTTPError):
+    """vLLM answered with an error: relay its status and OpenAI-style body unchanged."""
+
+    def __init__(self, status: int, message: str, body: Any = None) -> None:
+        super().__init__(status, message)
+        self.body = body
+
+    @classmethod
+    def from_response(cls, response: httpx.Response) -> UpstreamError:
+        """From an upstream answer whose body has been read."""
+        try:
+            body = response.json()
+            message = body.get("error", {}).get("message") or body.get("message") or str(body)
+        except ValueError:
+            body, message = None, response.text[:500]
+        return cls(response.status_code, message, body)
+
+    def to_response(self) -> Response:
+        if isinstance(self.body, dict) and "error" in self.body:
+            return JSONResponse(self.body, status_code=self.status)
+        return error_response(self.status, self.message)
 
 
 def error_response(

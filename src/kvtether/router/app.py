@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from typing import Any
 
 import httpx
@@ -18,14 +17,17 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvtether import protocol as p
-from kvtether.router._errors import RouterHTTPError, error_response
+from kvtether.router._clock import Clock, SystemClock
+from kvtether.router._deps import RouterDeps
+from kvtether.router._errors import RouterHTTPError, UpstreamError, error_response
 from kvtether.router.backends import BackendPool
 from kvtether.router.conversations import ConversationStore, InMemoryConversationStore
 from kvtether.router.leases import LeaseClient
 from kvtether.router.metrics import RouterMetrics
+from kvtether.router.retention import Retention
 from kvtether.router.sessions import SessionAPI
 from kvtether.router.settings import RouterSettings
-from kvtether.router.turns import TurnRequest, TurnRunner, _UpstreamError
+from kvtether.router.turns import TurnRequest, TurnRunner
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +38,14 @@ def create_app(
     settings: RouterSettings,
     store: ConversationStore | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
+    clock: Clock | None = None,
 ) -> Starlette:
-    """Build the router app. ``transport`` replaces the network to the vLLM instances (tests)."""
+    """Build the router app.
+
+    ``transport`` replaces the network to the vLLM instances and ``clock`` the wall clock
+    that leases, idle times and turn records are measured with (both for tests).
+    """
+    clock = clock or SystemClock()
     pool = BackendPool(settings, transport)
     metrics = RouterMetrics()
     background: set[asyncio.Task] = set()
@@ -45,15 +53,18 @@ def create_app(
     def release_dropped(conv) -> None:  # noqa: ANN001
         if conv.retained is not None:
             task = asyncio.get_running_loop().create_task(
-                runner.release(conv, p.MissCause.EVICTED)
+                retention.release(conv, p.MissCause.EVICTED)
             )
             background.add(task)
             task.add_done_callback(background.discard)
 
-    store = store or InMemoryConversationStore(settings.max_conversations, release_dropped)
-    leases = LeaseClient()
-    runner = TurnRunner(settings, pool, store, leases, metrics)
-    sessions = SessionAPI(settings, pool, store, leases, metrics, runner)
+    store = store or InMemoryConversationStore(
+        settings.max_conversations, release_dropped, clock.now_unix_s
+    )
+    deps = RouterDeps(settings, pool, store, LeaseClient(), metrics, clock)
+    retention = Retention(deps)
+    runner = TurnRunner(deps, retention)
+    sessions = SessionAPI(deps, retention)
     served: dict[str, Any] = {"models": None}
 
     async def served_models() -> list[str] | None:
@@ -123,7 +134,7 @@ def create_app(
             await asyncio.sleep(1.0)
             tick += 1
             try:
-                await sessions.reap_expired(time.time())
+                await retention.reap_expired()
                 if tick % 5 == 0:
                     await pool.check_health()
             except Exception:  # housekeeping must never die
@@ -158,6 +169,9 @@ def create_app(
         },
     )
     app.state.runner = runner
+    app.state.retention = retention
+    app.state.sessions = sessions
+    app.state.clock = clock
     app.state.pool = pool
     app.state.store = store
     app.state.metrics = metrics
@@ -201,16 +215,13 @@ def _hints(request: Request, body: dict[str, Any]) -> p.TurnHints | None:
             return p.parse_hints_header(header)
         if p.BODY_HINTS in body:
             return p.TurnHints.model_validate(body[p.BODY_HINTS])
-    except ValueError as exc:  # ValidationError is a ValueError
-        msg = str(exc) if not isinstance(exc, ValidationError) else _first(exc)
-        raise RouterHTTPError(400, msg, param=p.BODY_HINTS) from None
+    except ValidationError as exc:
+        raise RouterHTTPError(
+            400, f"invalid {p.BODY_HINTS}: {p.first_field_error(exc)}", param=p.BODY_HINTS
+        ) from None
+    except ValueError as exc:  # the header's own parse errors, already readable
+        raise RouterHTTPError(400, str(exc), param=p.BODY_HINTS) from None
     return None
-
-
-def _first(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"])
-    return f"invalid {p.BODY_HINTS}: {loc}: {err['msg']}"
 
 
 def _counted(handler, metrics: RouterMetrics):  # noqa: ANN001, ANN202
@@ -223,7 +234,7 @@ def _counted(handler, metrics: RouterMetrics):  # noqa: ANN001, ANN202
 
 
 async def _router_error(request: Request, exc: Exception) -> Response:
-    if isinstance(exc, _UpstreamError):
+    if isinstance(exc, UpstreamError):
         return exc.to_response()
     assert isinstance(exc, RouterHTTPError)
     return error_response(exc.status, exc.message, param=exc.param, code=exc.code)

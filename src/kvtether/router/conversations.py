@@ -102,10 +102,12 @@ class InMemoryConversationStore:
         self,
         max_conversations: int = 100_000,
         on_drop: Callable[[Conversation], None] | None = None,
+        now_unix_s: Callable[[], float] = time.time,
     ) -> None:
         self._items: OrderedDict[str, Conversation] = OrderedDict()
         self._max = max_conversations
         self._on_drop = on_drop  # frees what a dropped conversation still holds
+        self._now_unix_s = now_unix_s  # the router's clock, for new conversations' timestamps
 
     def get(self, conversation_id: str) -> Conversation | None:
         conv = self._items.get(conversation_id)
@@ -116,7 +118,7 @@ class InMemoryConversationStore:
     def get_or_create(self, conversation_id: str) -> Conversation:
         conv = self.get(conversation_id)
         if conv is None:
-            conv = Conversation(conversation_id)
+            conv = Conversation(conversation_id, last_active_unix_s=self._now_unix_s())
             self._items[conversation_id] = conv
             while len(self._items) > self._max:
                 _, dropped = self._items.popitem(last=False)

@@ -7,28 +7,35 @@ no-op that says so in its return value.
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from kvtether.protocol import CONTROL_API_PREFIX as _PREFIX
 from kvtether.protocol import LeaseInfo
 from kvtether.router.backends import Backend
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LeaseClient", "RenewResult"]
+__all__ = ["LeaseClient", "RenewResult", "RenewStatus"]
 
-_PREFIX = "/kvtether/v1"
+
+class RenewStatus(str, enum.Enum):
+    """What D said to a lease renewal."""
+
+    RENEWED = "renewed"
+    GONE = "gone"  # D no longer holds the KV
+    UNREACHABLE = "unreachable"  # not renewed; D may still hold it
+    UNSUPPORTED = "unsupported"  # no connector on D: vLLM's fixed TTL applies
 
 
 @dataclass(frozen=True)
 class RenewResult:
-    # renewed | gone (D no longer holds it) | unreachable (not renewed; may still be held)
-    # | unsupported (no connector on D: vLLM's fixed TTL applies)
-    status: str
-    lease: LeaseInfo | None = None
+    status: RenewStatus
+    lease: LeaseInfo | None = None  # with RENEWED: D's new deadline and handle expiry
 
 
 class LeaseClient:
@@ -58,7 +65,7 @@ class LeaseClient:
     async def renew(self, decode: Backend, key: str | None, ttl_s: float) -> RenewResult:
         """Extend the lease on D to now + ``ttl_s``."""
         if not decode.control_url or not key:
-            return RenewResult("unsupported")
+            return RenewResult(RenewStatus.UNSUPPORTED)
         try:
             r = await decode.client.post(
                 f"{decode.control_url}{_PREFIX}/leases/{key}/renew",
@@ -67,15 +74,15 @@ class LeaseClient:
             )
         except httpx.HTTPError as exc:
             logger.warning("lease renew on %s failed: %r", decode.name, exc)
-            return RenewResult("unreachable")
+            return RenewResult(RenewStatus.UNREACHABLE)
         if r.status_code in (404, 410):
-            return RenewResult("gone")
+            return RenewResult(RenewStatus.GONE)
         if r.status_code != 200:
-            return RenewResult("unreachable")
+            return RenewResult(RenewStatus.UNREACHABLE)
         try:
-            return RenewResult("renewed", LeaseInfo.model_validate(r.json()))
+            return RenewResult(RenewStatus.RENEWED, LeaseInfo.model_validate(r.json()))
         except ValueError:
-            return RenewResult("unreachable")
+            return RenewResult(RenewStatus.UNREACHABLE)
 
     async def release(self, decode: Backend, key: str | None) -> bool:
         if not decode.control_url or not key:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvtether.protocol import MissCause, matching_prefix_tokens
+from kvtether.protocol import MissCause, matching_prefix_tokens, truncate_handle
 from kvtether.router.conversations import Conversation, RetainedKV
 
 __all__ = ["ReusePlan", "plan_reuse", "truncate_handle"]
@@ -27,14 +27,6 @@ class ReusePlan:
     expected_reused_tokens: int
     cause: MissCause | None  # None: reuse should fire
     salvaged_tokens: int = 0  # for prefix_break: the whole-block prefix still read
-
-
-def truncate_handle(params: dict[str, Any], n_blocks: int, block_size: int) -> dict[str, Any]:
-    """Keep the first ``n_blocks`` blocks of a handle, in every KV cache group."""
-    cut = copy.deepcopy(params)
-    cut["remote_block_ids"] = [list(group[:n_blocks]) for group in params["remote_block_ids"]]
-    cut["remote_num_tokens"] = n_blocks * block_size
-    return cut
 
 
 def plan_reuse(
@@ -70,4 +62,6 @@ def plan_reuse(
     if match < max(recompute_threshold_tokens, 1):
         return ReusePlan(None, 0, MissCause.PREFIX_BREAK, salvaged_tokens=0)
     handle = truncate_handle(retained.params, match // block_size, block_size)
+    if handle is None:  # a hybrid model's handle: read whole or not at all
+        return ReusePlan(None, 0, MissCause.PREFIX_BREAK, salvaged_tokens=0)
     return ReusePlan(handle, match, MissCause.PREFIX_BREAK, salvaged_tokens=match)

@@ -12,13 +12,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvtether import protocol as p
+from kvtether.router._deps import RouterDeps
 from kvtether.router._errors import RouterHTTPError
-from kvtether.router.backends import BackendPool
-from kvtether.router.conversations import Conversation, ConversationStore
-from kvtether.router.leases import LeaseClient
-from kvtether.router.metrics import RouterMetrics
-from kvtether.router.settings import RouterSettings
-from kvtether.router.turns import TurnRunner
+from kvtether.router.conversations import Conversation
+from kvtether.router.retention import RenewOutcome, Retention
 
 logger = logging.getLogger(__name__)
 
@@ -26,21 +23,12 @@ __all__ = ["SessionAPI"]
 
 
 class SessionAPI:
-    def __init__(
-        self,
-        settings: RouterSettings,
-        pool: BackendPool,
-        store: ConversationStore,
-        leases: LeaseClient,
-        metrics: RouterMetrics,
-        runner: TurnRunner,
-    ) -> None:
-        self.s = settings
-        self.pool = pool
-        self.store = store
-        self.leases = leases
-        self.metrics = metrics
-        self.runner = runner
+    def __init__(self, deps: RouterDeps, retention: Retention) -> None:
+        self.s = deps.settings
+        self.store = deps.store
+        self.metrics = deps.metrics
+        self.clock = deps.clock
+        self.retention = retention
 
     def routes(self) -> list[Route]:
         return [
@@ -57,14 +45,12 @@ class SessionAPI:
         return conv
 
     async def get(self, request: Request) -> Response:
-        return JSONResponse(self._conv(request).status().model_dump(mode="json"))
+        status = self._conv(request).status(self.clock.now_unix_s())
+        return JSONResponse(status.model_dump(mode="json"))
 
     async def delete(self, request: Request) -> Response:
         conv = self._conv(request)
-        freed = conv.retained.retained_tokens if conv.retained else 0
-        if conv.retained is not None:
-            self.metrics.lease_events.labels("released").inc()
-        await self.runner.release(conv, p.MissCause.RELEASED)
+        freed = await self.retention.release_by_client(conv)
         return JSONResponse(
             {"conversation_id": conv.conversation_id, "released": True,
              "retained_tokens_freed": freed}
@@ -79,17 +65,16 @@ class SessionAPI:
         except json.JSONDecodeError as exc:
             raise RouterHTTPError(400, f"heartbeat body is not valid JSON: {exc}") from None
         except ValidationError as exc:
-            err = exc.errors()[0]
-            loc = ".".join(str(x) for x in err["loc"]) or "body"
-            raise RouterHTTPError(400, f"invalid heartbeat: {loc}: {err['msg']}", param=loc) from None
+            err = p.first_field_error(exc)
+            raise RouterHTTPError(400, f"invalid heartbeat: {err}", param=err.loc) from None
 
-        now = time.time()
+        now = self.clock.now_unix_s()
         r = conv.retained
         if r is None and conv.lock.locked():
             # A turn is in flight: its answer will create a fresh lease.
             return self._reply(conv, now + self.s.lease_ttl_s, 0, t0)
         if r is not None and r.lease_deadline_unix_s <= now:
-            await self.expire(conv)
+            await self.retention.expire(conv)
             r = None
         if r is None:
             state = conv.lease_state(now)
@@ -97,31 +82,18 @@ class SessionAPI:
                 410, f"session {conv.conversation_id!r} holds no KV (lease {state}); "
                      "its next turn recomputes", code=f"lease_{state}",
             )
-        ttl = self._ttl(hb)
-        decode = self.pool.by_name(r.decode_instance)
-        result = await self.leases.renew(decode, r.handle_key, ttl) if decode else None
-        status = result.status if result else "gone"
-        if status == "gone":
-            await self.runner.release(conv, p.MissCause.LEASE_EXPIRED)
+        outcome = await self.retention.renew(conv, self._ttl(hb))
+        if outcome is RenewOutcome.GONE:
             raise RouterHTTPError(410, f"session {conv.conversation_id!r}: the decode instance "
                                        "no longer holds its KV", code="lease_expired")
-        if status == "unreachable":
+        if outcome is RenewOutcome.UNREACHABLE:
             raise RouterHTTPError(503, f"session {conv.conversation_id!r}: decode instance "
                                        f"{r.decode_instance} did not answer; lease not renewed",
                                   code="decode_unavailable")
-        if status == "renewed" and result is not None and result.lease is not None:
-            r.renewed(result.lease)
-        else:
-            # Upstream connector: vLLM's fixed TTL cannot be extended.
-            r.lease_deadline_unix_s = min(
-                max(r.lease_deadline_unix_s, now + ttl),
-                r.created_unix_s + self.s.decoder_kv_blocks_ttl_s,
-            )
         if hb.next_prompt_tokens is not None:
             conv.expected_next_prompt_tokens = hb.next_prompt_tokens
         conv.last_active_unix_s = now
         conv.phase = hb.phase
-        self.metrics.lease_events.labels("renewed").inc()
         return self._reply(conv, r.lease_deadline_unix_s, r.retained_tokens, t0)
 
     def _ttl(self, hb: p.HeartbeatRequest) -> float:
@@ -140,17 +112,14 @@ class SessionAPI:
         body = p.HeartbeatResponse(
             conversation_id=conv.conversation_id,
             lease_deadline_unix_s=deadline,
-            lease_remaining_s=max(0.0, deadline - time.time()),
+            lease_remaining_s=max(0.0, deadline - self.clock.now_unix_s()),
             retained_tokens=tokens,
         )
         return JSONResponse(body.model_dump())
 
     async def expire(self, conv: Conversation) -> None:
-        self.metrics.lease_events.labels("expired").inc()
-        await self.runner.release(conv, p.MissCause.LEASE_EXPIRED)
+        await self.retention.expire(conv)
 
-    async def reap_expired(self, now: float) -> None:
-        for conv in self.store.values():
-            r = conv.retained
-            if r is not None and r.lease_deadline_unix_s <= now and not conv.lock.locked():
-                await self.expire(conv)
+    async def reap_expired(self, now_unix_s: float | None = None) -> None:
+        """Free every lapsed lease (what the app's housekeeping does every second)."""
+        await self.retention.reap_expired(now_unix_s)

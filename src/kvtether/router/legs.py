@@ -1,0 +1,184 @@
+"""The two upstream legs of a turn: tokenize and prefill on P, then open the decode leg on D.
+
+Plain functions over a :class:`~kvtether.router.backends.Backend`; they know HTTP and vLLM's
+answers, not conversations (the turn runner decides what a leg's result means for reuse).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvtether import protocol as p
+from kvtether.router._errors import RouterHTTPError, UpstreamError
+from kvtether.router.backends import Backend, BackendPool
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PrefillResult", "json_or_502", "open_decode", "prefill", "prompt_ids", "tokenize"]
+
+# A prefill leg with no handle to read: P computes the prompt and keeps its KV for D.
+_FRESH_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+# Fields of the client's body that make no sense for a one-token prefill request.
+_NOT_FOR_PREFILL = ("stream", "stream_options", "max_completion_tokens", "min_tokens")
+# Chat fields /tokenize needs to render the prompt exactly as the prefill leg will.
+_TOKENIZE_CHAT_KEYS = ("model", "messages", "tools", "chat_template", "chat_template_kwargs",
+                       "add_generation_prompt", "continue_final_message", "add_special_tokens")
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What the prefill leg told us."""
+
+    prefill: Backend
+    params: dict[str, Any]  # P's kv_transfer_params: the handle D reads this turn's KV with
+    prompt_token_ids: list[int]
+    cached_tokens: int
+    pulled_tokens: int | None  # from the kvtether connector on P, when it runs there
+    pull: str | None  # a protocol.PullOutcome value, from the same
+    leg_s: float
+
+
+async def tokenize(
+    prefill: Backend, endpoint: str, body: dict[str, Any]
+) -> list[int] | None:
+    """The new prompt's token ids, exactly as the prefill instance will see them."""
+    if endpoint.endswith("/completions") and "messages" not in body:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt
+        if not isinstance(prompt, str):
+            return None
+        tok_body: dict[str, Any] = {"model": body.get("model"), "prompt": prompt}
+    else:
+        tok_body = {k: body[k] for k in _TOKENIZE_CHAT_KEYS if k in body}
+        tok_body.setdefault("add_generation_prompt", True)
+    try:
+        r = await prefill.client.post("/tokenize", json=tok_body)
+    except httpx.HTTPError as exc:
+        note_failure(prefill, exc)
+        return None
+    if r.status_code != 200:
+        # The prefill leg will meet the same problem and report it to the client.
+        return None
+    return r.json().get("tokens")
+
+
+async def prefill(
+    backend: Backend, endpoint: str, body: dict[str, Any], request_id: str,
+    handle: dict[str, Any] | None,
+) -> PrefillResult:
+    """Run the prompt on P (one token), reading ``handle`` from D when there is one."""
+    leg_body = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
+    leg_body.update(max_tokens=1, n=1, return_token_ids=True)
+    leg_body["kv_transfer_params"] = handle or dict(_FRESH_PREFILL_PARAMS)
+    t0 = time.perf_counter()
+    backend.inflight += 1
+    try:
+        r = await backend.client.post(
+            endpoint, json=leg_body, headers={"X-Request-Id": request_id}
+        )
+    except httpx.HTTPError as exc:
+        note_failure(backend, exc)
+        raise RouterHTTPError(
+            502, f"prefill instance {backend.name} failed: {exc!r}", code="upstream_unavailable"
+        ) from None
+    finally:
+        backend.inflight -= 1
+    leg_s = time.perf_counter() - t0
+    if r.status_code != 200:
+        raise UpstreamError.from_response(r)
+    data = json_or_502(r.content, backend)
+    params = data.get("kv_transfer_params") or {}
+    if not params.get("do_remote_prefill"):
+        raise RouterHTTPError(502, "prefill instance returned no KV handle; is it running "
+                                   "with the NIXL connector?", code="upstream_misconfigured")
+    return PrefillResult(
+        prefill=backend,
+        params=params,
+        prompt_token_ids=prompt_ids(data),
+        cached_tokens=int(params.get("remote_prefill_cached_tokens") or 0),
+        pulled_tokens=params.get(p.KV_PARAM_REUSED_TOKENS),
+        pull=params.get(p.KV_PARAM_PULL),
+        leg_s=leg_s,
+    )
+
+
+async def open_decode(
+    pool: BackendPool, preferred: str | None, endpoint: str, body: dict[str, Any],
+    request_id: str,
+) -> tuple[Backend, httpx.Response]:
+    """Send the decode leg, to the conversation's instance when it is reachable.
+
+    An instance that refuses the connection is skipped for the next one: P keeps this
+    turn's KV for a while, so any decode instance can still read it. The answer is returned
+    unread (a stream), with the instance's ``inflight`` count still held for the caller.
+    """
+    tried: set[str] = set()
+    while True:
+        decode = pool.pick_decode(preferred, exclude=tried)
+        if decode is None:
+            raise RouterHTTPError(503, "no decode instance is reachable; retry shortly",
+                                  code="upstream_unavailable")
+        tried.add(decode.name)
+        request = decode.client.build_request(
+            "POST", endpoint, json=body, headers={"X-Request-Id": request_id}
+        )
+        decode.inflight += 1
+        try:
+            upstream = await decode.client.send(request, stream=True)
+        except httpx.ConnectError as exc:
+            decode.inflight -= 1
+            decode.mark_down(repr(exc))
+            continue
+        except httpx.HTTPError as exc:
+            decode.inflight -= 1
+            note_failure(decode, exc)
+            raise RouterHTTPError(502, f"decode instance {decode.name} failed: {exc!r}",
+                                  code="upstream_unavailable") from None
+        if upstream.status_code != 200:
+            decode.inflight -= 1
+            await upstream.aread()
+            await upstream.aclose()
+            raise UpstreamError.from_response(upstream)
+        return decode, upstream
+
+
+def prompt_ids(data: dict[str, Any]) -> list[int]:
+    """Prompt token ids of a chat (top level) or completions (per choice) answer or chunk."""
+    ids = data.get("prompt_token_ids")
+    if not ids:
+        choices = data.get("choices") or [{}]
+        ids = choices[0].get("prompt_token_ids") if choices else None
+    return list(ids or [])
+
+
+def json_or_502(raw: bytes, backend: Backend) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        data = None
+    if not isinstance(data, dict):
+        raise RouterHTTPError(502, f"{backend.role} instance {backend.name} answered with "
+                                   "something that is not a JSON object", code="upstream_error")
+    return data
+
+
+def note_failure(backend: Backend, exc: httpx.HTTPError) -> None:
+    """Only a refused connection marks an instance down; a slow one still holds its KV."""
+    if isinstance(exc, httpx.ConnectError):
+        backend.mark_down(repr(exc))
+    else:
+        logger.warning("%s %s: %r", backend.role, backend.name, exc)

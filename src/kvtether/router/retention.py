@@ -1,0 +1,197 @@
+"""Retained KV: the one owner of what each conversation holds on a decode instance.
+
+Every change to ``Conversation.retained`` goes through :class:`Retention`, which keeps the
+per-instance token counts, the budget, the decode-side lease (renew / release) and the lease
+metrics in step with it. The turn runner and the session API both use it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any
+
+from kvtether import protocol as p
+from kvtether.router._deps import RouterDeps
+from kvtether.router.backends import Backend
+from kvtether.router.budget import pick_evictions
+from kvtether.router.conversations import Conversation, RetainedKV
+from kvtether.router.leases import RenewStatus
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Retention", "RenewOutcome"]
+
+
+class RenewOutcome(str, enum.Enum):
+    """What a heartbeat's renewal did to a conversation's lease."""
+
+    RENEWED = "renewed"  # D extended it, or (no connector) the router's view moved forward
+    GONE = "gone"  # D no longer holds the KV: released here too
+    UNREACHABLE = "unreachable"  # D did not answer: not renewed, may still be held
+
+
+class Retention:
+    def __init__(self, deps: RouterDeps) -> None:
+        self.deps = deps
+        self.s = deps.settings
+        self.pool = deps.pool
+        self.metrics = deps.metrics
+
+    # ---------------------------------------------------------------- holding
+    def retain(
+        self, conv: Conversation, decode: Backend, handle: dict[str, Any], token_ids: list[int],
+        handle_key: str | None, lease_s: float,
+    ) -> None:
+        """Record D's handle for the conversation's next turn."""
+        now = self.deps.clock.now_unix_s()
+        retained = RetainedKV(
+            decode_instance=decode.name,
+            params=handle,
+            token_ids=token_ids,
+            retained_tokens=int(handle.get("remote_num_tokens") or 0),
+            lease_deadline_unix_s=now + lease_s,
+            handle_key=handle_key,
+            created_unix_s=now,
+        )
+        conv.retained = retained
+        conv.gone_cause = None
+        self._count_in(decode, retained)
+
+    def take(self, conv: Conversation) -> RetainedKV | None:
+        """Detach the retained KV without freeing it on D (handed to P, or D is gone)."""
+        r, conv.retained = conv.retained, None
+        if r is not None:
+            b = self.pool.by_name(r.decode_instance)
+            if b is not None:
+                b.retained_tokens = max(0, b.retained_tokens - r.retained_tokens)
+                self.metrics.retained_tokens.labels(b.name).set(b.retained_tokens)
+            self.metrics.active_leases.dec()
+        return r
+
+    def restore(self, conv: Conversation, r: RetainedKV) -> None:
+        """Put back what :meth:`take` detached (P rejected the request before reading)."""
+        conv.retained = r
+        conv.gone_cause = None
+        b = self.pool.by_name(r.decode_instance)
+        if b is not None:
+            self._count_in(b, r)
+        else:
+            self.metrics.active_leases.inc()
+
+    def _count_in(self, b: Backend, r: RetainedKV) -> None:
+        b.retained_tokens += r.retained_tokens
+        self.metrics.retained_tokens.labels(b.name).set(b.retained_tokens)
+        self.metrics.active_leases.inc()
+
+    # ---------------------------------------------------------------- freeing
+    async def release(self, conv: Conversation, cause: p.MissCause) -> None:
+        """Free the conversation's retained KV now (on D too, when it runs the connector)."""
+        r = self.take(conv)
+        conv.gone_cause = cause
+        if r is not None:
+            decode = self.pool.by_name(r.decode_instance)
+            if decode is not None:
+                await self.deps.leases.release(decode, r.handle_key)
+
+    async def release_by_client(self, conv: Conversation) -> int:
+        """DELETE of the session: frees the KV; returns how many tokens were held."""
+        freed = conv.retained.retained_tokens if conv.retained else 0
+        if conv.retained is not None:
+            self.metrics.lease_events.labels("released").inc()
+        await self.release(conv, p.MissCause.RELEASED)
+        return freed
+
+    async def evict(self, conv: Conversation) -> None:
+        logger.info("evicting retained KV of %s (budget)", conv.conversation_id)
+        self.metrics.lease_events.labels("evicted").inc()
+        await self.release(conv, p.MissCause.EVICTED)
+
+    async def expire(self, conv: Conversation) -> None:
+        self.metrics.lease_events.labels("expired").inc()
+        await self.release(conv, p.MissCause.LEASE_EXPIRED)
+
+    async def reap_expired(self, now_unix_s: float | None = None) -> None:
+        """Free every lease past its deadline, except those of a turn in flight."""
+        now = self.deps.clock.now_unix_s() if now_unix_s is None else now_unix_s
+        for conv in self.deps.store.values():
+            r = conv.retained
+            if r is not None and r.lease_deadline_unix_s <= now and not conv.lock.locked():
+                await self.expire(conv)
+
+    async def enforce_budget(self, conv: Conversation, decode: Backend) -> None:
+        """Keep ``decode`` under ``max_retained_tokens`` after ``conv`` retained on it.
+
+        Victims are the least valuable leases (see :mod:`kvtether.router.budget`; why that
+        order differs from the connector's is written in :mod:`kvtether.protocol`).
+        """
+        cap = self.s.max_retained_tokens
+        if cap is None or decode.retained_tokens <= cap:
+            return
+        assert conv.retained is not None
+        incoming = conv.retained.retained_tokens
+        if incoming > cap:
+            await self.evict(conv)
+            return
+        others = [c for c in self.deps.store.values()
+                  if c is not conv and c.retained is not None
+                  and c.retained.decode_instance == decode.name]
+        held = decode.retained_tokens - incoming
+        victims = pick_evictions(others, held, incoming, cap, self.s.lease_ttl_s,
+                                 now_unix_s=self.deps.clock.now_unix_s())
+        for victim in victims:
+            await self.evict(victim)
+
+    # ---------------------------------------------------------------- leases on D
+    async def extend_for_handoff(self, conv: Conversation) -> None:
+        """Make the lease outlive the prefill leg's wait for its read.
+
+        A loaded prefill instance can queue a request for many seconds before it reads, and it
+        declines a handle whose deadline has passed by then (a miss, never wrong KV); renewing
+        at hand-off costs one control call, made while the prompt is tokenized.
+        """
+        r = conv.retained
+        if r is None:
+            return
+        now = self.deps.clock.now_unix_s()
+        remaining_s = r.lease_deadline_unix_s - now
+        if (r.handle_key is None or remaining_s >= self.s.handoff_lease_s
+                or remaining_s <= self.s.lease_safety_margin_s):
+            return
+        decode = self.pool.by_name(r.decode_instance)
+        if decode is None:
+            return
+        result = await self.deps.leases.renew(decode, r.handle_key, self.s.handoff_lease_s)
+        if result.status is RenewStatus.RENEWED and result.lease is not None:
+            r.renewed(result.lease)
+            self.metrics.lease_events.labels("extended_at_handoff").inc()
+        elif result.status is RenewStatus.GONE:
+            r.lease_deadline_unix_s = now  # D no longer holds it: the plan says lease_expired
+
+    async def renew(self, conv: Conversation, ttl_s: float) -> RenewOutcome:
+        """A heartbeat's renewal of the conversation's live lease to now + ``ttl_s``."""
+        r = conv.retained
+        assert r is not None
+        now = self.deps.clock.now_unix_s()
+        decode = self.pool.by_name(r.decode_instance)
+        if decode is None:
+            status = RenewStatus.GONE
+            lease = None
+        else:
+            result = await self.deps.leases.renew(decode, r.handle_key, ttl_s)
+            status, lease = result.status, result.lease
+        if status is RenewStatus.GONE:
+            await self.release(conv, p.MissCause.LEASE_EXPIRED)
+            return RenewOutcome.GONE
+        if status is RenewStatus.UNREACHABLE:
+            return RenewOutcome.UNREACHABLE
+        if status is RenewStatus.RENEWED and lease is not None:
+            r.renewed(lease)
+        else:
+            # Upstream connector: vLLM's fixed TTL cannot be extended.
+            r.lease_deadline_unix_s = min(
+                max(r.lease_deadline_unix_s, now + ttl_s),
+                r.created_unix_s + self.s.decoder_kv_blocks_ttl_s,
+            )
+        self.metrics.lease_events.labels("renewed").inc()
+        return RenewOutcome.RENEWED
