@@ -75,6 +75,8 @@ def test_every_stack_setting_is_a_flag() -> None:
     [
         (["stack", "up", "--prefill", "0"], "error: invalid --prefill: Input should be greater"),
         (["stack", "up", "--profile", "tpu"], "error: invalid --profile"),
+        # The router it would start rejects 0 too: caught before anything starts.
+        (["stack", "up", "--max-retained-tokens", "0"], "error: invalid --max-retained-tokens"),
         (["stack", "up", "--config", "absent.toml"], "config file absent.toml does not exist"),
         (["stack", "status"], "error: no stack is recorded in"),
         (["stack", "down"], "error: no stack is recorded in"),

@@ -15,6 +15,7 @@ from pydantic import Field, create_model, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from kvtether.router.settings import KVBlockSizeTokens, RetentionSettings
 from kvtether.stack._errors import ConfigError
 from kvtether.stack.profiles import DEFAULT_PROFILE, ProfileName, profile_defaults
 
@@ -65,8 +66,13 @@ class StackSettingsBase(BaseSettings):
         return (init_settings, env_settings, ConfigFileSource(settings_cls))
 
 
-class StackSettings(StackSettingsBase):
-    """How to run N prefill + M decode vLLM instances and the kvtether router."""
+class StackSettings(RetentionSettings, StackSettingsBase):
+    """How to run N prefill + M decode vLLM instances and the kvtether router.
+
+    The KV retention settings (lease TTL, retained-token cap, ...) are the router's own
+    :class:`~kvtether.router.settings.RetentionSettings`, inherited, not re-declared:
+    ``stack up`` forwards them to the router it starts.
+    """
 
     config: Path | None = Field(default=None, description="TOML or YAML file with stack settings")
     profile: ProfileName = Field(default=DEFAULT_PROFILE, description="named preset of settings")
@@ -94,7 +100,7 @@ class StackSettings(StackSettingsBase):
     prepared_model: Literal["tiny", "smol"] = _preset("model prepared when --model is not given")
     dtype: str = _preset("vLLM --dtype")
     enforce_eager: bool = _preset("vLLM --enforce-eager")
-    block_size_tokens: int = _preset("vLLM KV block size")
+    block_size_tokens: KVBlockSizeTokens = _preset("vLLM KV block size")
     max_model_len_tokens: int = _preset("vLLM --max-model-len")
     kv_cache_space_gib: int | None = _preset("CPU KV cache GiB (VLLM_CPU_KVCACHE_SPACE)")
     kv_buffer_device: Literal["cpu", "cuda"] = _preset("NIXL kv_buffer_device")
@@ -119,18 +125,8 @@ class StackSettings(StackSettingsBase):
         default_factory=list, description="GPUs to spread instances over (CUDA_VISIBLE_DEVICES)"
     )
 
-    kv_recompute_threshold_tokens: int = Field(
-        default=16, ge=0, description="below this many reusable tokens prefill recomputes"
-    )
-    decoder_kv_blocks_ttl_s: float = Field(
-        default=480.0, gt=0, description="how long decode retains KV without a lease"
-    )
     kv_load_failure_policy: Literal["recompute", "fail"] = Field(
         default="recompute", description="what vLLM does when a KV read fails"
-    )
-    lease_ttl_s: float = Field(default=60.0, gt=0, description="initial lease on retained KV")
-    max_retained_tokens: int | None = Field(
-        default=None, ge=0, description="cap on retained KV tokens per decode instance"
     )
     idle_tick_s: float = Field(
         default=5.0, gt=0, description="a sleeping engine steps this often while it holds KV "
