@@ -13,7 +13,13 @@ from typing import Any, Literal
 
 from pydantic import Field, create_model, model_validator
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+    YamlConfigSettingsSource,
+)
 
 from kvtether.router.settings import KVBlockSizeTokens, RetentionSettings
 from kvtether.stack._errors import ConfigError
@@ -209,7 +215,12 @@ def stack_settings_subset(name: str, fields: tuple[str, ...], doc: str) -> type[
 
 
 class ConfigFileSource(PydanticBaseSettingsSource):
-    """Reads the file named by ``config`` from a higher-priority source (flag, init or env)."""
+    """The file named by ``config`` in a higher-priority source (flag, init or env).
+
+    Read by pydantic-settings' own TOML or YAML source, chosen by the file's suffix
+    (``.yaml``/``.yml``: YAML, anything else: TOML). Keys are the field names (``-`` may stand
+    for ``_``); a key no :class:`StackSettings` field has is a :class:`ConfigError`.
+    """
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         raise NotImplementedError  # __call__ reads the whole file at once
@@ -218,37 +229,46 @@ class ConfigFileSource(PydanticBaseSettingsSource):
         path = self.current_state.get("config")
         if not path:
             return {}
-        values = load_config_file(Path(path), set(StackSettings.model_fields))
+        values = read_config_file(Path(path))
         # A subset model (e.g. for `stack down`) reads the same file and keeps what it knows.
         return {k: v for k, v in values.items() if k in self.settings_cls.model_fields}
 
 
-def load_config_file(path: Path, fields: set[str]) -> dict[str, Any]:
-    """Flat mapping of field name → value from a TOML or YAML file; unknown keys are errors."""
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Field name → value of every :class:`StackSettings` setting in a TOML or YAML file."""
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
+    source_cls = _YamlFile if path.suffix.lower() in (".yaml", ".yml") else _TomlFile
     try:
-        if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        else:
-            try:
-                import tomllib
-            except ImportError:  # Python 3.10
-                import tomli as tomllib
-
-            data = tomllib.loads(text)
+        values = source_cls(StackSettings, path)()
+    except ConfigError:
+        raise
     except ImportError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.name} is not installed") from None
-    except Exception as exc:  # both parsers raise their own error types
-        raise ConfigError(f"cannot parse config file {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of settings")
-    values = {str(k).replace("-", "_"): v for k, v in data.items()}
-    unknown = sorted(set(values) - fields - {"config"})
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    except Exception as exc:  # each parser raises its own error types
+        detail = " ".join(str(exc).split())  # YAML's messages span lines
+        raise ConfigError(f"cannot parse config file {path}: {detail}") from None
+    unknown = sorted(set(values) - set(StackSettings.model_fields))
     if unknown:
-        raise ConfigError(f"unknown setting(s) in {path}: {', '.join(unknown)}")
+        raise ConfigError(
+            f"unknown setting(s) in {path}: {', '.join(unknown)} "
+            "(see `kvtether stack up --help` for the names)"
+        )
     values.pop("config", None)
     return values
+
+
+def _flat_settings(data: Any, path: Path) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of settings")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+class _TomlFile(TomlConfigSettingsSource):
+    def _read_file(self, file_path: Path) -> dict[str, Any]:  # type: ignore[override]
+        return _flat_settings(super()._read_file(file_path), file_path)
+
+
+class _YamlFile(YamlConfigSettingsSource):
+    def _read_file(self, file_path: Path) -> dict[str, Any]:  # type: ignore[override]
+        return _flat_settings(super()._read_file(file_path), file_path)
