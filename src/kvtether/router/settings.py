@@ -51,7 +51,8 @@ class RetentionSettings(BaseModel):
         description="initial lease on a finished turn's decode-held KV",
     )
     max_retained_tokens: int | None = Field(
-        default=None, ge=1, description="cap on retained KV tokens per decode instance (null: no cap)"
+        default=None, ge=1,
+        description="cap on retained KV tokens per decode instance (null: no cap)",
     )
 
 
