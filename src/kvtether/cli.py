@@ -192,9 +192,8 @@ def _passthrough(command: str, argv: list[str], log_level: str) -> int:
     module_name = PASSTHROUGH[command]
     try:
         entry = import_module(module_name).main
-    except (ImportError, AttributeError):
-        message = f"error: `kvtether {command}` is not available yet ({module_name}.main)"
-        print(message, file=sys.stderr)
+    except (ImportError, AttributeError) as exc:  # e.g. an optional dependency is missing
+        print(f"error: `kvtether {command}` cannot start: {exc}", file=sys.stderr)
         return 2
     configure_logging(log_level)
     return int(entry(argv) or 0)

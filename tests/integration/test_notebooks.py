@@ -18,7 +18,7 @@ def test_notebook_runs(path: Path, pd_stack, monkeypatch):
     from nbclient import NotebookClient
 
     monkeypatch.setenv("KVTETHER_ROUTER_URL", pd_stack.base_url)
-    monkeypatch.setenv("KVTETHER_MODEL", pd_stack.model)
+    monkeypatch.setenv("KVTETHER_SERVED_MODEL_NAME", pd_stack.model)
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(EXAMPLES)}})

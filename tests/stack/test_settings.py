@@ -78,11 +78,44 @@ def test_explicit_value_equal_to_a_default_still_beats_the_profile() -> None:
     assert StackSettings(profile="gpu", kv_cache_space_gib=None).kv_cache_space_gib is None
 
 
+CONFIG_FILES = {
+    ".toml": 'profile = "gpu"\nprefill = 2\nblock-size-tokens = 64\nmax_retained_tokens = 5000\n'
+    'extra_vllm_args = ["--seed", "1"]\n[vllm_env]\nUCX_TLS = "tcp"\n',
+    ".yaml": "profile: gpu\nprefill: 2\nblock-size-tokens: 64\nmax_retained_tokens: 5000\n"
+    "extra_vllm_args: [--seed, '1']\nvllm_env:\n  UCX_TLS: tcp\n",
+}
+CONFIG_FILES[".yml"] = CONFIG_FILES[".yaml"]
+CONFIG_FILES[".conf"] = CONFIG_FILES[".toml"]  # anything but .yaml/.yml is TOML
+
+
+@pytest.mark.parametrize("suffix", sorted(CONFIG_FILES))
+def test_toml_and_yaml_config_files_set_the_same_settings(tmp_path: Path, suffix: str) -> None:
+    cfg = tmp_path / f"stack{suffix}"
+    cfg.write_text(CONFIG_FILES[suffix])
+    s = StackSettings(config=cfg)
+    assert (s.profile, s.prefill, s.block_size_tokens, s.max_retained_tokens) == (
+        "gpu", 2, 64, 5000
+    )
+    assert (s.extra_vllm_args, s.vllm_env) == (["--seed", "1"], {"UCX_TLS": "tcp"})
+    assert s.dtype == "auto"  # the file's profile applies where the file says nothing
+    assert "dtype" not in s.model_fields_set
+
+
+def test_config_file_values_are_validated_like_flags(tmp_path: Path) -> None:
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text("max_retained_tokens: 0\n")
+    with pytest.raises(ValidationError, match="max_retained_tokens"):
+        StackSettings(config=cfg)
+
+
 @pytest.mark.parametrize(
     ("text", "suffix", "message"),
     [
         ("nope = 1\n", ".toml", "unknown setting.*nope"),
+        # handoff_lease_s is a router setting the stack does not take
+        ("nope: 1\nhandoff_lease_s: 3\nport: 1\n", ".yml", r"in .*: handoff_lease_s, nope \("),
         ("prefill = [\n", ".toml", "cannot parse"),
+        ("prefill: [\n", ".yaml", "cannot parse"),
         ("- 1\n", ".yaml", "must hold a mapping"),
     ],
 )
@@ -93,6 +126,23 @@ def test_bad_config_files_say_what_is_wrong(
     cfg.write_text(text)
     with pytest.raises(ConfigError, match=message):
         StackSettings(config=cfg)
+
+
+def test_a_subset_rejects_the_same_unknown_keys(tmp_path: Path) -> None:
+    Target = stack_settings_subset("Target", ("config", "state_dir"), "doc")
+    cfg = tmp_path / "s.toml"
+    cfg.write_text("prefill = 3\nnope = 1\n")
+    with pytest.raises(ConfigError, match="unknown setting.*nope"):
+        Target(config=cfg)  # type: ignore[call-arg]
+
+
+def test_yaml_file_precedence_matches_toml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "stack.yaml"
+    cfg.write_text("lease_ttl_s: 30\nport: 9001\ndecode: 2\n")
+    monkeypatch.setenv("KVTETHER_CONFIG", str(cfg))
+    monkeypatch.setenv("KVTETHER_LEASE_TTL_S", "40")
+    s = StackSettings(port=9003)  # type: ignore[call-arg]
+    assert (s.port, s.lease_ttl_s, s.decode, s.prefill) == (9003, 40, 2, 1)
 
 
 def test_missing_config_file(tmp_path: Path) -> None:

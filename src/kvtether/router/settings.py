@@ -1,11 +1,23 @@
-"""Router settings: one model for CLI flags, env vars (``KVTETHER_ROUTER_*``) and config files."""
+"""Router settings: one model for CLI flags, env vars (``KVTETHER_ROUTER_*``) and config files.
+
+Settings the stack also takes (``kvtether stack up`` forwards them to the router it starts) are
+declared once, in :class:`RetentionSettings`, which both :class:`RouterSettings` and
+:class:`~kvtether.stack.settings.StackSettings` inherit: one default, one validation rule, so a
+value the stack accepts is a value the router accepts.
+"""
 
 from __future__ import annotations
+
+from typing import Annotated
 
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["BackendSpec", "RouterSettings"]
+__all__ = ["BackendSpec", "KVBlockSizeTokens", "RetentionSettings", "RouterSettings"]
+
+# The stack calls it ``block_size_tokens`` (it is vLLM's --block-size), the router
+# ``kv_block_size_tokens``: both public names, one rule.
+KVBlockSizeTokens = Annotated[int, Field(ge=1)]
 
 
 class BackendSpec(BaseModel):
@@ -19,7 +31,32 @@ class BackendSpec(BaseModel):
     name: str | None = None
 
 
-class RouterSettings(BaseSettings):
+class RetentionSettings(BaseModel):
+    """How long and how much decode-held KV is kept, and when it is worth reading.
+
+    Shared by the router and the stack (which also hands the vLLM-side ones to vLLM's
+    ``kv_connector_extra_config``); a mixin without a config of its own, so each settings model
+    keeps its env prefix.
+    """
+
+    kv_recompute_threshold_tokens: int = Field(
+        default=16, ge=0, description="below this many reusable tokens prefill recomputes (vLLM's)"
+    )
+    decoder_kv_blocks_ttl_s: float = Field(
+        default=480.0, gt=0, allow_inf_nan=False,
+        description="how long decode retains KV without a lease (vLLM's)",
+    )
+    lease_ttl_s: float = Field(
+        default=60.0, gt=0, allow_inf_nan=False,
+        description="initial lease on a finished turn's decode-held KV",
+    )
+    max_retained_tokens: int | None = Field(
+        default=None, ge=1,
+        description="cap on retained KV tokens per decode instance (null: no cap)",
+    )
+
+
+class RouterSettings(RetentionSettings, BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVTETHER_ROUTER_", extra="ignore")
 
     host: str = "127.0.0.1"
@@ -28,21 +65,9 @@ class RouterSettings(BaseSettings):
     decode_urls: list[str] = Field(default_factory=list, description="decode vLLM base URLs")
     prefill_control_urls: list[str] = Field(default_factory=list)
     decode_control_urls: list[str] = Field(default_factory=list)
-    kv_block_size_tokens: int = Field(default=16, ge=1, description="vLLM KV block size")
-    kv_recompute_threshold_tokens: int = Field(
-        default=16, ge=0, description="below this many reusable tokens P recomputes (vLLM's)"
-    )
-    decoder_kv_blocks_ttl_s: float = Field(
-        default=480.0, gt=0, description="D's retention time when no connector lease applies"
-    )
-    lease_ttl_s: float = Field(
-        default=60.0, gt=0, description="initial lease on a finished turn's decode-held KV"
-    )
+    kv_block_size_tokens: KVBlockSizeTokens = Field(default=16, description="vLLM KV block size")
     max_lease_s: float = Field(
         default=900.0, gt=0, description="longest lease a hint or heartbeat may ask for"
-    )
-    max_retained_tokens: int | None = Field(
-        default=None, ge=1, description="cap on retained KV tokens per decode instance"
     )
     lease_safety_margin_s: float = Field(
         default=6.0, ge=0, description="never forward a handle that expires within this margin"

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvtether.router.settings import RetentionSettings
 from kvtether.stack._state import Role
 from kvtether.stack.models import tool_call_args
 from kvtether.stack.settings import StackSettings
@@ -182,9 +183,12 @@ class VllmCommands:
 
 
 def router_values(plan: InstancePlan, settings: StackSettings) -> dict[str, Any]:
-    """RouterSettings values for this stack: only fields RouterSettings actually has."""
-    from kvtether.router.settings import RouterSettings
+    """RouterSettings values for this stack's router.
 
+    Where it listens and what it routes to come from the plan; the block size is vLLM's; every
+    :class:`~kvtether.router.settings.RetentionSettings` field is forwarded as is (the stack
+    inherits those from the router, so each one validates the same on both sides).
+    """
     values: dict[str, Any] = {
         "host": plan.host,
         "port": plan.port,
@@ -194,13 +198,5 @@ def router_values(plan: InstancePlan, settings: StackSettings) -> dict[str, Any]
         "decode_control_urls": list(plan.decode_control_urls),
         "kv_block_size_tokens": settings.block_size_tokens,
     }
-    # Settings both models share keep their name (lease_ttl_s, max_retained_tokens, ...).
-    stack_values = settings.model_dump()
-    for name in RouterSettings.model_fields:
-        if name not in values and name in stack_values and name not in _STACK_ONLY:
-            values[name] = stack_values[name]
-    return {k: v for k, v in values.items() if k in RouterSettings.model_fields and v != []}
-
-
-# Same name, different meaning: these stack settings describe the stack, not the router.
-_STACK_ONLY = frozenset({"host", "port", "config", "state_dir", "detach"})
+    values.update({name: getattr(settings, name) for name in RetentionSettings.model_fields})
+    return {k: v for k, v in values.items() if v != []}

@@ -13,8 +13,15 @@ from typing import Any, Literal
 
 from pydantic import Field, create_model, model_validator
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+    YamlConfigSettingsSource,
+)
 
+from kvtether.router.settings import KVBlockSizeTokens, RetentionSettings
 from kvtether.stack._errors import ConfigError
 from kvtether.stack.profiles import DEFAULT_PROFILE, ProfileName, profile_defaults
 
@@ -65,8 +72,13 @@ class StackSettingsBase(BaseSettings):
         return (init_settings, env_settings, ConfigFileSource(settings_cls))
 
 
-class StackSettings(StackSettingsBase):
-    """How to run N prefill + M decode vLLM instances and the kvtether router."""
+class StackSettings(RetentionSettings, StackSettingsBase):
+    """How to run N prefill + M decode vLLM instances and the kvtether router.
+
+    The KV retention settings (lease TTL, retained-token cap, ...) are the router's own
+    :class:`~kvtether.router.settings.RetentionSettings`, inherited, not re-declared:
+    ``stack up`` forwards them to the router it starts.
+    """
 
     config: Path | None = Field(default=None, description="TOML or YAML file with stack settings")
     profile: ProfileName = Field(default=DEFAULT_PROFILE, description="named preset of settings")
@@ -94,7 +106,7 @@ class StackSettings(StackSettingsBase):
     prepared_model: Literal["tiny", "smol"] = _preset("model prepared when --model is not given")
     dtype: str = _preset("vLLM --dtype")
     enforce_eager: bool = _preset("vLLM --enforce-eager")
-    block_size_tokens: int = _preset("vLLM KV block size")
+    block_size_tokens: KVBlockSizeTokens = _preset("vLLM KV block size")
     max_model_len_tokens: int = _preset("vLLM --max-model-len")
     kv_cache_space_gib: int | None = _preset("CPU KV cache GiB (VLLM_CPU_KVCACHE_SPACE)")
     kv_buffer_device: Literal["cpu", "cuda"] = _preset("NIXL kv_buffer_device")
@@ -119,18 +131,8 @@ class StackSettings(StackSettingsBase):
         default_factory=list, description="GPUs to spread instances over (CUDA_VISIBLE_DEVICES)"
     )
 
-    kv_recompute_threshold_tokens: int = Field(
-        default=16, ge=0, description="below this many reusable tokens prefill recomputes"
-    )
-    decoder_kv_blocks_ttl_s: float = Field(
-        default=480.0, gt=0, description="how long decode retains KV without a lease"
-    )
     kv_load_failure_policy: Literal["recompute", "fail"] = Field(
         default="recompute", description="what vLLM does when a KV read fails"
-    )
-    lease_ttl_s: float = Field(default=60.0, gt=0, description="initial lease on retained KV")
-    max_retained_tokens: int | None = Field(
-        default=None, ge=0, description="cap on retained KV tokens per decode instance"
     )
     idle_tick_s: float = Field(
         default=5.0, gt=0, description="a sleeping engine steps this often while it holds KV "
@@ -213,7 +215,12 @@ def stack_settings_subset(name: str, fields: tuple[str, ...], doc: str) -> type[
 
 
 class ConfigFileSource(PydanticBaseSettingsSource):
-    """Reads the file named by ``config`` from a higher-priority source (flag, init or env)."""
+    """The file named by ``config`` in a higher-priority source (flag, init or env).
+
+    Read by pydantic-settings' own TOML or YAML source, chosen by the file's suffix
+    (``.yaml``/``.yml``: YAML, anything else: TOML). Keys are the field names (``-`` may stand
+    for ``_``); a key no :class:`StackSettings` field has is a :class:`ConfigError`.
+    """
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         raise NotImplementedError  # __call__ reads the whole file at once
@@ -222,37 +229,46 @@ class ConfigFileSource(PydanticBaseSettingsSource):
         path = self.current_state.get("config")
         if not path:
             return {}
-        values = load_config_file(Path(path), set(StackSettings.model_fields))
+        values = read_config_file(Path(path))
         # A subset model (e.g. for `stack down`) reads the same file and keeps what it knows.
         return {k: v for k, v in values.items() if k in self.settings_cls.model_fields}
 
 
-def load_config_file(path: Path, fields: set[str]) -> dict[str, Any]:
-    """Flat mapping of field name → value from a TOML or YAML file; unknown keys are errors."""
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Field name → value of every :class:`StackSettings` setting in a TOML or YAML file."""
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
+    source_cls = _YamlFile if path.suffix.lower() in (".yaml", ".yml") else _TomlFile
     try:
-        if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        else:
-            try:
-                import tomllib
-            except ImportError:  # Python 3.10
-                import tomli as tomllib
-
-            data = tomllib.loads(text)
+        values = source_cls(StackSettings, path)()
+    except ConfigError:
+        raise
     except ImportError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.name} is not installed") from None
-    except Exception as exc:  # both parsers raise their own error types
-        raise ConfigError(f"cannot parse config file {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of settings")
-    values = {str(k).replace("-", "_"): v for k, v in data.items()}
-    unknown = sorted(set(values) - fields - {"config"})
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    except Exception as exc:  # each parser raises its own error types
+        detail = " ".join(str(exc).split())  # YAML's messages span lines
+        raise ConfigError(f"cannot parse config file {path}: {detail}") from None
+    unknown = sorted(set(values) - set(StackSettings.model_fields))
     if unknown:
-        raise ConfigError(f"unknown setting(s) in {path}: {', '.join(unknown)}")
+        raise ConfigError(
+            f"unknown setting(s) in {path}: {', '.join(unknown)} "
+            "(see `kvtether stack up --help` for the names)"
+        )
     values.pop("config", None)
     return values
+
+
+def _flat_settings(data: Any, path: Path) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of settings")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+class _TomlFile(TomlConfigSettingsSource):
+    def _read_file(self, file_path: Path) -> dict[str, Any]:  # type: ignore[override]
+        return _flat_settings(super()._read_file(file_path), file_path)
+
+
+class _YamlFile(YamlConfigSettingsSource):
+    def _read_file(self, file_path: Path) -> dict[str, Any]:  # type: ignore[override]
+        return _flat_settings(super()._read_file(file_path), file_path)

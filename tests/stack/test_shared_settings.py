@@ -1,0 +1,97 @@
+"""What `stack up` forwards to the router is declared once: a value one accepts, both accept."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+from pydantic_settings import CliApp
+
+from kvtether.cli import RouterCommand
+from kvtether.router.settings import RetentionSettings, RouterSettings
+from kvtether.stack._commands import InstancePlan, VllmCommands, router_values
+from kvtether.stack.settings import StackSettings
+
+# Stack setting → the router setting it becomes; everything else the router gets comes from the
+# stack's plan (where the router listens, which instances it routes to).
+FORWARDED = {name: name for name in RetentionSettings.model_fields}
+FORWARDED["block_size_tokens"] = "kv_block_size_tokens"
+FROM_PLAN = {"host", "port", "prefill_urls", "decode_urls"}
+PROBES: list[Any] = [-1, 0, 0.5, 1, 16, 10**9, None, "x", float("inf")]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.startswith("KVTETHER_"):
+            monkeypatch.delenv(key)
+
+
+def _plan() -> InstancePlan:
+    return InstancePlan(
+        name="router",
+        role="router",
+        host="127.0.0.1",
+        port=8000,
+        log_path=Path("r.log"),
+        prefill_urls=("http://127.0.0.1:8100",),
+        decode_urls=("http://127.0.0.1:8101",),
+    )
+
+
+def _accepts(model: type[Any], name: str, value: Any) -> bool:
+    try:
+        model(**{name: value})
+    except ValidationError:
+        return False
+    return True
+
+
+def test_router_gets_exactly_the_forwarded_settings_and_the_plan() -> None:
+    values = router_values(_plan(), StackSettings(max_retained_tokens=100))
+    assert set(values) == FROM_PLAN | set(FORWARDED.values())
+    assert set(values) <= set(RouterSettings.model_fields)
+
+
+@pytest.mark.parametrize(("stack_name", "router_name"), sorted(FORWARDED.items()))
+@pytest.mark.parametrize("value", PROBES, ids=repr)
+def test_every_forwarded_setting_validates_the_same_in_stack_and_router(
+    stack_name: str, router_name: str, value: Any
+) -> None:
+    assert _accepts(StackSettings, stack_name, value) == _accepts(
+        RouterSettings, router_name, value
+    )
+
+
+def test_a_zero_retained_token_cap_is_rejected_by_both() -> None:
+    # It used to pass `stack up` and then stop the router it started.
+    assert not _accepts(StackSettings, "max_retained_tokens", 0)
+    assert not _accepts(RouterSettings, "max_retained_tokens", 0)
+
+
+def test_the_router_command_line_round_trips_every_forwarded_value() -> None:
+    chosen = {
+        "kv_recompute_threshold_tokens": 0,
+        "decoder_kv_blocks_ttl_s": 0.5,
+        "lease_ttl_s": 7,
+        "max_retained_tokens": 1,
+        "block_size_tokens": 1,
+    }
+    assert set(chosen) == set(FORWARDED)  # a new forwarded setting needs a value here
+    settings = StackSettings(**chosen)  # type: ignore[arg-type]
+    argv = VllmCommands("py").command(_plan(), settings).argv
+    parsed = CliApp.run(RouterCommand, cli_args=argv[4:], cli_cmd_method_name="no_such_method")
+    for stack_name, router_name in FORWARDED.items():
+        assert getattr(parsed, router_name) == chosen[stack_name], router_name
+
+
+def test_each_model_keeps_its_env_prefix_for_the_shared_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVTETHER_LEASE_TTL_S", "11")
+    monkeypatch.setenv("KVTETHER_ROUTER_LEASE_TTL_S", "22")
+    assert StackSettings().lease_ttl_s == 11
+    assert RouterSettings().lease_ttl_s == 22
