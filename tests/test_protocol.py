@@ -86,6 +86,16 @@ def test_truncate_handle_cuts_a_copy_to_whole_blocks():
     assert handle["other"]["x"] == 1
 
 
+def test_truncate_handle_cuts_the_prefix_identity_too():
+    handle = {"remote_block_ids": [[10, 11, 12]], "remote_num_tokens": 40,
+              p.KV_PARAM_BLOCK_SIZE: 16, p.KV_PARAM_BLOCK_HASHES: ["a", "b"],
+              p.KV_PARAM_TAIL_HASH: "t"}
+    cut = p.truncate_handle(handle, 1, 16)
+    assert cut is not None
+    assert cut[p.KV_PARAM_BLOCK_HASHES] == ["a"] and p.KV_PARAM_TAIL_HASH not in cut
+    assert cut[p.KV_PARAM_BLOCK_SIZE] == 16
+
+
 @pytest.mark.parametrize(
     "groups",
     [

@@ -419,6 +419,12 @@ def truncate_handle(
     cut = copy.deepcopy(params)
     cut["remote_block_ids"] = [list(groups[0][:n_blocks])]
     cut["remote_num_tokens"] = n_blocks * block_size
+    # The prefix identity travels with the cut: a prefill checking the hashes against
+    # remote_num_tokens would otherwise find them inconsistent and read nothing.
+    hashes = cut.get(KV_PARAM_BLOCK_HASHES)
+    if isinstance(hashes, list):
+        cut[KV_PARAM_BLOCK_HASHES] = hashes[:n_blocks]
+    cut.pop(KV_PARAM_TAIL_HASH, None)  # whole blocks only now: no partial tail block
     return cut
 
 

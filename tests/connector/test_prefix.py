@@ -116,3 +116,17 @@ def test_pull_record_reports_outcomes() -> None:
     refused.allocated(0)
     report = refused.as_params()
     assert report["kvtether_pull"] == "no_match" and report["kvtether_remote_tokens"] == 14
+
+
+def test_a_handle_the_router_cut_still_passes_the_prefill_check() -> None:
+    # The router salvages a prefix break by cutting D's handle to the matching whole blocks;
+    # prefill's check must then read those blocks, not call the cut handle inconsistent.
+    from kvtether.protocol import truncate_handle as router_cut
+
+    cut = router_cut(decode_handle(SEQ), 2, BS)
+    assert cut is not None
+    prompt = SEQ[:8] + [77, 76, 75, 74, 73]  # repeats D's first two blocks, then differs
+    decision = decide_prefix(cut, prompt)
+    assert decision.match_tokens == 8 and not decision.prefix_break
+    assert truncate_handle(cut, decision)
+    assert cut["remote_block_ids"] == [[100, 101]] and cut["remote_num_tokens"] == 8
