@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvtether.bench import cli as bench_cli
-from kvtether.bench.idle import Turn, VariantResult, _percentile, histogram_quantile, main
+from kvtether.bench._measure import histogram_quantile, percentile
+from kvtether.bench.idle import Turn, VariantResult, main
 
 
 def test_histogram_quantile_matches_prometheus() -> None:
@@ -22,10 +23,10 @@ def test_histogram_quantile_matches_prometheus() -> None:
 
 
 def test_percentile_interpolates_like_numpy() -> None:
-    assert _percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert _percentile([5.0], 99) == 5.0
-    assert _percentile([1.0, 2.0], 100) == 2.0
-    assert math.isnan(_percentile([], 50))
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([1.0, 2.0], 100) == 2.0
+    assert math.isnan(percentile([], 50))
 
 
 def _turn(i: int, outcome: str, seconds: float, ttft: float | None) -> Turn:

@@ -29,16 +29,21 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
 from kvtether import protocol as p
+from kvtether.bench._measure import (
+    CPUMeter,
+    histogram_quantile,
+    percentile,
+    scrape_gauge,
+    scrape_histogram,
+)
 
-__all__ = ["IdleBenchResult", "VariantResult", "histogram_quantile", "main", "run"]
+__all__ = ["IdleBenchResult", "VariantResult", "main", "run"]
 
 logger = logging.getLogger(__name__)
 
 VARIANTS = ("stock", "kvtether")
-NIXL_READ_METRIC = "vllm:nixl_xfer_time_seconds"
 _WORDS = (
     "agent tool result file test read write patch diff error trace call model step plan "
     "repository function class module value token cache decode prefill lease handle"
@@ -71,11 +76,11 @@ class VariantResult:
     startup_s: float = 0.0
 
     def percentile(self, q: float) -> float:
-        return _percentile([t.seconds for t in self.turns], q)
+        return percentile([t.seconds for t in self.turns], q)
 
-    def ttft_percentile(self, q: float) -> float | None:
+    def ttftpercentile(self, q: float) -> float | None:
         values = [t.ttft_s for t in self.turns if t.ttft_s is not None]
-        return _percentile(values, q) if values else None
+        return percentile(values, q) if values else None
 
     @property
     def prefix_breaks(self) -> int:
@@ -114,9 +119,9 @@ class VariantResult:
             "turn_p50_s": r(self.percentile(50)),
             "turn_p90_s": r(self.percentile(90)),
             "turn_p99_s": r(self.percentile(99)),
-            "ttft_p50_s": r(self.ttft_percentile(50)),
-            "ttft_p90_s": r(self.ttft_percentile(90)),
-            "ttft_p99_s": r(self.ttft_percentile(99)),
+            "ttft_p50_s": r(self.ttftpercentile(50)),
+            "ttft_p90_s": r(self.ttftpercentile(90)),
+            "ttft_p99_s": r(self.ttftpercentile(99)),
             "first_turn_ttft_s": r(self._first_latency()),
             "fired_turns_faster_than_first": self.fired_faster_than_first(),
             "fired": self.fired,
@@ -152,94 +157,12 @@ class IdleBenchResult:
         }
 
 
-# --- measurement helpers (pure) --------------------------------------------------------------
-def _percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), ``q`` in 0..100."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
-def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
-    """Prometheus' ``histogram_quantile``: ``buckets`` are (upper bound, cumulative count)."""
-    buckets = sorted(buckets)
-    if not buckets or buckets[-1][1] <= 0:
-        return None
-    rank = q * buckets[-1][1]
-    prev_bound, prev_count = 0.0, 0.0
-    for bound, count in buckets:
-        if count >= rank:
-            if bound == float("inf"):
-                return prev_bound
-            width = count - prev_count
-            frac = 0.0 if width <= 0 else (rank - prev_count) / width
-            return prev_bound + (bound - prev_bound) * frac
-        prev_bound, prev_count = bound, count
-    return prev_bound
-
-
-def scrape_buckets(client: httpx.Client, url: str, metric: str = NIXL_READ_METRIC
-                   ) -> dict[float, float]:
-    """Cumulative bucket counts of a histogram on one vLLM ``/metrics``, summed over labels."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[float, float] = {}
-    text = client.get(f"{url}/metrics").text
-    for family in text_string_to_metric_families(text):
-        if family.name != metric:
-            continue
-        for sample in family.samples:
-            if sample.name.endswith("_bucket"):
-                bound = float(sample.labels["le"])
-                out[bound] = out.get(bound, 0.0) + sample.value
-    return out
-
-
-def _gauge(client: httpx.Client, url: str, metric: str) -> float | None:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for family in text_string_to_metric_families(client.get(f"{url}/metrics").text):
-        if family.name == metric and family.samples:
-            return sum(s.value for s in family.samples)
-    return None
-
-
+# --- one variant ------------------------------------------------------------------------------
 def _user_message(rng: random.Random, index: int, words: int) -> str:
     body = " ".join(rng.choice(_WORDS) for _ in range(words))
     return f"Tool output {index}: {body}. What next?"
 
 
-class _CPUMeter:
-    """CPU seconds of a set of processes and all their children (threads included)."""
-
-    def __init__(self, pids: dict[str, int]) -> None:
-        self.procs: dict[str, list[psutil.Process]] = {}
-        for name, pid in pids.items():
-            try:
-                root = psutil.Process(pid)
-                self.procs[name] = [root, *root.children(recursive=True)]
-            except psutil.Error:
-                self.procs[name] = []
-
-    def sample(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for name, procs in self.procs.items():
-            total = 0.0
-            for proc in procs:
-                try:
-                    t = proc.cpu_times()
-                    total += t.user + t.system
-                except psutil.Error:
-                    pass
-            out[name] = total
-        return out
-
-
-# --- one variant ------------------------------------------------------------------------------
 def _turn(client: httpx.Client, router_url: str, model: str, cid: str,
           messages: list[dict[str, str]], max_tokens: int, *, stream: bool) -> Turn:
     body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens,
@@ -308,7 +231,7 @@ def run_variant(name: str, args: argparse.Namespace, progress: Any = None) -> Va
                                                  trust_env=False) as client:
         result.startup_s = time.monotonic() - t0
         engines = stack.prefill_urls + stack.decode_urls
-        before = {u: scrape_buckets(client, u) for u in engines}
+        before = {u: scrape_histogram(client, u) for u in engines}
         cid = f"bench-idle-{name}-{uuid.uuid4().hex[:8]}"
         messages: list[dict[str, str]] = [
             {"role": "system", "content": "You are an agent. Answer briefly."},
@@ -326,7 +249,7 @@ def run_variant(name: str, args: argparse.Namespace, progress: Any = None) -> Va
             result.turns.append(turn)
             if progress:
                 progress.advance(task)
-        after = {u: scrape_buckets(client, u) for u in engines}
+        after = {u: scrape_histogram(client, u) for u in engines}
         buckets: dict[float, float] = {}
         for url in engines:
             for bound, count in after[url].items():
@@ -339,7 +262,7 @@ def run_variant(name: str, args: argparse.Namespace, progress: Any = None) -> Va
 
         # Idle: the last turn's KV stays on decode (lease / upstream TTL longer than this).
         assert stack.state is not None
-        meter = _CPUMeter({rec.name: rec.pid for rec in stack.state.processes})
+        meter = CPUMeter({rec.name: rec.pid for rec in stack.state.processes})
         time.sleep(2.0)  # let the last turn's own work settle
         cpu0, w0 = meter.sample(), time.monotonic()
         if progress:
@@ -354,7 +277,7 @@ def run_variant(name: str, args: argparse.Namespace, progress: Any = None) -> Va
         result.idle_per_process = {k: round((cpu1[k] - cpu0[k]) / result.idle_s, 4)
                                    for k in cpu0}
         result.idle_cores = sum(result.idle_per_process.values())
-        usage = [_gauge(client, u, "vllm:kv_cache_usage_perc") for u in stack.decode_urls]
+        usage = [scrape_gauge(client, u, "vllm:kv_cache_usage_perc") for u in stack.decode_urls]
         result.retained_during_idle = any((u or 0) > 0 for u in usage)
     return result
 
@@ -398,8 +321,8 @@ def render(result: IdleBenchResult) -> None:
 
     if result.stream:
         row("turn 1 TTFT (s)", lambda v: sec(v.turns[0].ttft_s if v.turns else None))
-        row("TTFT p50 (s)", lambda v: sec(v.ttft_percentile(50)))
-        row("TTFT p99 (s)", lambda v: sec(v.ttft_percentile(99)))
+        row("TTFT p50 (s)", lambda v: sec(v.ttftpercentile(50)))
+        row("TTFT p99 (s)", lambda v: sec(v.ttftpercentile(99)))
     row("turn 1 (s)", lambda v: f"{v.turns[0].seconds:.3f}" if v.turns else "-")
     row("turn p50 (s)", lambda v: f"{v.percentile(50):.3f}")
     row("turn p90 (s)", lambda v: f"{v.percentile(90):.3f}")
