@@ -156,12 +156,19 @@ def _ask(client: Any, model: str, messages: list[dict[str, Any]], *, stream: boo
 
 
 def print_report(run: AgentRun, console: Any) -> None:
+    """Per-turn reuse as a table that fits an 80-column terminal."""
+    from rich import box
     from rich.table import Table
 
     session, sources = run.session, run.tool_sources
-    table = Table(title=f"kvtether demo - conversation {session.conversation_id}")
-    for col in ("turn", "prompt tokens", "reused tokens", "outcome", "TTFT ms", "next tool"):
-        table.add_column(col, justify="right" if "tok" in col or col == "TTFT ms" else "left")
+    table = Table(title=f"kvtether demo - conversation {session.conversation_id}",
+                  box=box.SIMPLE_HEAD)
+    table.add_column("turn", justify="right")
+    table.add_column("prompt", justify="right")
+    table.add_column("reused", justify="right")
+    table.add_column("outcome", no_wrap=True)  # e.g. miss:decode_unavailable, never cut
+    table.add_column("TTFT ms", justify="right")
+    table.add_column("next tool (chosen by)")
     for i, t in enumerate(session.turns):
         style = "green" if t.outcome == "fired" else "yellow"
         ttft = f"{t.ttft_s * 1000:.0f}" if t.ttft_s is not None else "-"
