@@ -12,8 +12,11 @@ Exceptions::
 Warnings::
 
     KVTetherWarning                (UserWarning)
-    └── PrefixBreakWarning         a turn's prompt does not extend the previous turn's prompt and
-                                   reply, so the decode-held KV can be reused only up to the break
+    ├── PrefixBreakWarning         a turn's prompt does not extend the previous turn's prompt and
+    │                              reply, so the decode-held KV can be reused only up to the break
+    └── MissingConversationKeyWarning
+                                   a session pool's resolver gave no conversation key, so requests
+                                   go to the pool's one default session (said once per pool)
 
 The client session layer never raises these from inside a model request or a tool: the agent
 keeps running when the router is down, and the session records what happened. They are raised
@@ -32,6 +35,7 @@ __all__ = [
     "SessionGone",
     "KVTetherWarning",
     "PrefixBreakWarning",
+    "MissingConversationKeyWarning",
 ]
 
 
@@ -70,3 +74,7 @@ class KVTetherWarning(UserWarning):
 
 class PrefixBreakWarning(KVTetherWarning):
     """A turn rewrote history that the previous turn's KV was computed from."""
+
+
+class MissingConversationKeyWarning(KVTetherWarning):
+    """A session pool got no conversation key; its default session served the request."""

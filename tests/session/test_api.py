@@ -12,6 +12,8 @@ import kvtether.session
 from kvtether.errors import (
     ConfigError,
     KVTetherError,
+    KVTetherWarning,
+    MissingConversationKeyWarning,
     PrefixBreakWarning,
     RouterUnavailableError,
     SessionError,
@@ -22,13 +24,24 @@ from kvtether.session import Session, SessionSettings, conversation_id_from
 
 
 def test_exported_names_are_pinned() -> None:
-    assert kvtether.__all__ == ["Session", "AsyncSession", "KVTetherError", "__version__"]
+    assert kvtether.__all__ == [
+        "Session",
+        "AsyncSession",
+        "SessionPool",
+        "AsyncSessionPool",
+        "KVTetherError",
+        "__version__",
+    ]
     assert kvtether.__version__ == "0.1.0"
     assert kvtether.Session is kvtether.session.Session
+    assert kvtether.SessionPool is kvtether.session.SessionPool
+    assert kvtether.AsyncSessionPool is kvtether.session.AsyncSessionPool
     assert sorted(kvtether.session.__all__) == sorted(
         [
             "Session",
             "AsyncSession",
+            "SessionPool",
+            "AsyncSessionPool",
             "SessionSettings",
             "ToolCall",
             "Turn",
@@ -38,6 +51,7 @@ def test_exported_names_are_pinned() -> None:
             "PrefixCheck",
             "PrefixStatus",
             "PrefixBreakWarning",
+            "MissingConversationKeyWarning",
             "GrowthPredictor",
             "Prediction",
             "tool_key",
@@ -57,6 +71,7 @@ def test_error_tree() -> None:
     assert issubclass(SessionNotFound, SessionError) and issubclass(SessionGone, SessionError)
     assert issubclass(ConfigError, ValueError)  # bad arguments stay catchable as ValueError
     assert issubclass(PrefixBreakWarning, UserWarning)
+    assert issubclass(MissingConversationKeyWarning, KVTetherWarning)
 
 
 def test_import_kvtether_does_not_load_the_sdk_or_the_session_layer() -> None:

@@ -12,9 +12,10 @@
         print(session.report())
 
 Async code uses ``AsyncSession`` the same way (``async with``, ``await session.aclose()``).
+Many conversations through one client (framework threads): ``SessionPool`` / ``AsyncSessionPool``.
 """
 
-from kvtether.errors import PrefixBreakWarning
+from kvtether.errors import MissingConversationKeyWarning, PrefixBreakWarning
 from kvtether.session._ids import conversation_id_from, new_conversation_id
 from kvtether.session._predict import GrowthPredictor, Prediction, tool_key
 from kvtether.session._prefix import keep_prefix_stable, normalize_message
@@ -26,6 +27,7 @@ from kvtether.session._records import (
     ToolRun,
     Turn,
 )
+from kvtether.session._pool import AsyncSessionPool, SessionPool
 from kvtether.session._session import AsyncSession, Session
 from kvtether.session._settings import SessionSettings
 from kvtether.session._tools import ToolCall
@@ -33,6 +35,8 @@ from kvtether.session._tools import ToolCall
 __all__ = [
     "Session",
     "AsyncSession",
+    "SessionPool",
+    "AsyncSessionPool",
     "SessionSettings",
     "ToolCall",
     "Turn",
@@ -42,6 +46,7 @@ __all__ = [
     "PrefixCheck",
     "PrefixStatus",
     "PrefixBreakWarning",
+    "MissingConversationKeyWarning",
     "GrowthPredictor",
     "Prediction",
     "tool_key",

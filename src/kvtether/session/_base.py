@@ -58,9 +58,10 @@ class BaseSession:
         # For heartbeat threads in both twins; Session also sends release and status on it.
         # Its options read the state, not the session: no reference cycle through the slot.
         self._http = ClientSlot(lambda: client_options(state.base_url, timeout_s), http_client)
+        self._exit_release: weakref.finalize[[], None] | None = None
         if settings.release_at_exit:
             # Holds only the state, so the session itself can still be collected.
-            weakref.finalize(self, state.release_at_exit)
+            self._exit_release = weakref.finalize(self, state.release_at_exit)
 
     @classmethod
     def from_thread_id(cls: type[_S], *ids: str, namespace: str = "kvtether", **kwargs: Any) -> _S:
@@ -116,7 +117,8 @@ class BaseSession:
 
         if self._state.base_url is None and getattr(client, "base_url", None) is not None:
             self._state.adopt_base_url(normalize_base_url(str(client.base_url)))
-        return wrap_client(self._state, client, owner=self)
+        state = self._state
+        return wrap_client(lambda: state, client, owner=self)
 
     # --- what agent code decorates ----------------------------------------------------------
     def tool_call(self, name: str, *, eta_s: float | None = None, args: Any = None) -> ToolCall:
@@ -169,6 +171,14 @@ class BaseSession:
         return decorator(fn) if fn is not None else decorator
 
     # --- I/O both twins share ---------------------------------------------------------------
+    def _leave_kv_to_lease(self) -> None:
+        """Let go of this session without releasing its KV: a session pool evicts it, and the
+        conversation may come back (same id), so the router keeps the KV until the lease lapses.
+        Closes the heartbeat threads' client; heartbeats of a tool still running end with it."""
+        if self._exit_release is not None:
+            self._exit_release.detach()
+        self._http.close()
+
     def _heartbeat_name(self) -> str:
         return f"kvtether-heartbeat-{self.conversation_id}"
 

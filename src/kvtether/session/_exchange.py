@@ -259,6 +259,12 @@ class Exchange:
         )
 
     @property
+    def tool_call_ids(self) -> list[str]:
+        """The ids of the tool calls in the reply (streamed or not), in order."""
+        calls = self.reply.get("tool_calls") if self.reply else None
+        return [c["id"] for c in calls or () if isinstance(c, dict) and c.get("id")]
+
+    @property
     def called_tools(self) -> bool:
         calls = self.reply.get("tool_calls") if self.reply else None
         return self.finish_reason == "tool_calls" or bool(calls)

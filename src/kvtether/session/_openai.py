@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +58,11 @@ def _with_usage(body_bytes: bytes, body: dict[str, Any]) -> bytes | None:
     return json.dumps(body, ensure_ascii=False).encode()
 
 
-def _prepare(state: SessionState, request: Any, mod: ModuleType) -> tuple[Any, Exchange] | None:
+# Which session a request belongs to, asked once per chat/completions request.
+PickState = Callable[[], "SessionState"]
+
+
+def _prepare(pick: PickState, request: Any, mod: ModuleType) -> tuple[Any, Exchange] | None:
     """Tag a chat/completions request; None for anything the session does not follow."""
     endpoint = _endpoint(request)
     if endpoint is None:
@@ -71,6 +75,7 @@ def _prepare(state: SessionState, request: Any, mod: ModuleType) -> tuple[Any, E
     if not isinstance(body, dict):
         return None
     new_body = _with_usage(body_bytes, body) if body.get("stream") else None
+    state = pick()
     retry = request.headers.get(_RETRY_HEADER, "0")
     ex = state.begin(
         endpoint,
@@ -165,12 +170,12 @@ def _transports(mod: ModuleType) -> tuple[type, type]:
                 self._ex.end(completed=False)
 
     class SyncTransport(mod.BaseTransport):  # type: ignore[name-defined,misc]
-        def __init__(self, state: SessionState, inner: Any, owner: object) -> None:
-            self._state, self.inner = state, inner
+        def __init__(self, pick: PickState, inner: Any, owner: object) -> None:
+            self._pick, self.inner = pick, inner
             self._owner = owner  # see wrap_client
 
         def handle_request(self, request: Any) -> Any:
-            prepared = _prepare(self._state, request, mod)
+            prepared = _prepare(self._pick, request, mod)
             if prepared is None:
                 return self.inner.send(request, stream=True)
             request, ex = prepared
@@ -183,12 +188,12 @@ def _transports(mod: ModuleType) -> tuple[type, type]:
             return _response(mod, response, SyncStream(response, ex))
 
     class AsyncTransport(mod.AsyncBaseTransport):  # type: ignore[name-defined,misc]
-        def __init__(self, state: SessionState, inner: Any, owner: object) -> None:
-            self._state, self.inner = state, inner
+        def __init__(self, pick: PickState, inner: Any, owner: object) -> None:
+            self._pick, self.inner = pick, inner
             self._owner = owner  # see wrap_client
 
         async def handle_async_request(self, request: Any) -> Any:
-            prepared = _prepare(self._state, request, mod)
+            prepared = _prepare(self._pick, request, mod)
             if prepared is None:
                 return await self.inner.send(request, stream=True)
             request, ex = prepared
@@ -211,11 +216,12 @@ def _http_module(http_client: Any) -> ModuleType | None:
     return None
 
 
-def wrap_client(state: SessionState, client: Any, owner: object) -> Any:
-    """``client`` with its chat/completions requests reported into ``state``.
+def wrap_client(pick: PickState, client: Any, owner: object) -> Any:
+    """``client`` with each chat/completions request reported into the state ``pick()`` returns
+    for it (one session's, or the one a session pool resolves per request).
 
-    ``owner`` (the session) is only held: while the wrapped client is in use, its session must
-    not be collected, or the session's exit finalizer would release the KV mid-conversation.
+    ``owner`` (the session or pool) is only held: while the wrapped client is in use, its
+    sessions must not be collected, or their exit finalizer would release the KV mid-conversation.
     """
     # openai 2.x and 3.x both keep their HTTP client in `_client`; `with_options` is public.
     inner: Any = getattr(client, "_client", None)
@@ -229,7 +235,7 @@ def wrap_client(state: SessionState, client: Any, owner: object) -> Any:
     inner = getattr(inner, "_kvtether_inner", inner)
     sync_transport, async_transport = _transports(mod)
     is_async = isinstance(inner, mod.AsyncClient)
-    transport = (async_transport if is_async else sync_transport)(state, inner, owner)
+    transport = (async_transport if is_async else sync_transport)(pick, inner, owner)
     outer = (mod.AsyncClient if is_async else mod.Client)(
         transport=transport,
         headers=inner.headers,

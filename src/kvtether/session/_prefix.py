@@ -25,6 +25,7 @@ __all__ = [
     "reply_key",
     "describe",
     "warn_break",
+    "warn_at_caller",
 ]
 
 Message = dict[str, Any]
@@ -33,7 +34,7 @@ _REASONING_KEYS = ("reasoning_content", "reasoning")
 # Response-only fields that chat templates never render; clients echo them back or not.
 _IGNORED_KEYS = frozenset({"annotations", "refusal", "audio", "function_call", "index"})
 _MAX_REPLIES = 256
-# Frames of these packages are skipped so a PrefixBreakWarning points at the agent's code.
+# Frames of these packages are skipped so a kvtether warning points at the agent's code.
 _INTERNAL_PACKAGES = frozenset(
     {"kvtether", "openai", "httpx", "httpx2", "anyio", "asyncio", "contextlib", "functools"}
 )
@@ -218,6 +219,11 @@ def describe(check: PrefixCheck) -> str:
 
 def warn_break(message: str) -> None:
     """Issue a PrefixBreakWarning attributed to the first frame outside kvtether and the SDK."""
+    warn_at_caller(PrefixBreakWarning(message))
+
+
+def warn_at_caller(warning: Warning) -> None:
+    """``warnings.warn(warning)`` attributed to the first frame outside kvtether and the SDK."""
     frame = sys._getframe(1)
     level = 2  # 1 would be this function; 2 its caller
     while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in (
@@ -225,4 +231,4 @@ def warn_break(message: str) -> None:
     ):
         frame = frame.f_back
         level += 1
-    warnings.warn(PrefixBreakWarning(message), stacklevel=level)
+    warnings.warn(warning, stacklevel=level)

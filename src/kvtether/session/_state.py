@@ -30,11 +30,13 @@ from kvtether.session._prefix import PrefixTracker, describe, warn_break
 from kvtether.session._records import EventKind, PrefixStatus, SessionEvent, ToolRun, Turn
 from kvtether.session._settings import SessionSettings
 
-__all__ = ["SessionState", "CURRENT_STEP", "Clock"]
+__all__ = ["SessionState", "CURRENT_STEP", "Clock", "ToolCallListener"]
 
 logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+# Told the ids of the tool calls a reply asked for (a session pool indexes them).
+ToolCallListener = Callable[[list[str]], None]
 
 # (id of the session state, step number) of the @session.step call the current code runs in.
 CURRENT_STEP: ContextVar[tuple[int, int] | None] = ContextVar("kvtether_step", default=None)
@@ -70,6 +72,7 @@ class SessionState:
         self._final_next = False
         self._last_end_s: float | None = None
         self._last_called_tools = False
+        self._tool_call_listener: ToolCallListener | None = None
 
     # --- what the session shows its users ---------------------------------------------------
     @property
@@ -116,6 +119,11 @@ class SessionState:
     def mark_final(self) -> None:
         with self._lock:
             self._final_next = True
+
+    def listen_for_tool_calls(self, listener: ToolCallListener) -> None:
+        """Call ``listener`` with the tool-call ids of every reply that has some."""
+        with self._lock:
+            self._tool_call_listener = listener
 
     def adopt_base_url(self, base_url: str) -> None:
         """Use ``base_url`` (already normalized) unless the session was given one."""
@@ -266,6 +274,10 @@ class SessionState:
                 self._record_locked(EventKind.REQUEST_FAILED, ex.error or "", turn.turn)
             if turn.outcome != "error" and ex.completed:
                 self._learn_locked(ex, turn, via_router=turn.reuse is not None)
+            listener = self._tool_call_listener
+        # Outside the lock: the listener takes its own (the pool's), never the other way round.
+        if listener is not None and (ids := ex.tool_call_ids):
+            listener(ids)
 
     def _learn_locked(self, ex: Exchange, turn: Turn, *, via_router: bool) -> None:
         if ex.endpoint == "chat" and isinstance(ex.sent, list):
