@@ -17,6 +17,9 @@ from kvtether.stack._procs import tail
 __all__ = ["Starting", "probe", "wait_healthy"]
 
 POLL_INTERVAL_S = 0.5
+# The first probes come quickly (a router or a warm process answers within ~100 ms), then
+# back off to POLL_INTERVAL_S: vLLM itself takes tens of seconds.
+FIRST_POLL_INTERVAL_S = 0.05
 
 
 @dataclass
@@ -48,6 +51,7 @@ def wait_healthy(
     """
     display = _Display(procs, console) if progress else None
     deadline = time.monotonic() + timeout_s
+    interval_s = FIRST_POLL_INTERVAL_S
     try:
         with httpx.Client(timeout=httpx.Timeout(2.0, connect=1.0), trust_env=False) as client:
             while True:
@@ -76,7 +80,8 @@ def wait_healthy(
                         slow.log_path,
                         tail(slow.log_path),
                     )
-                time.sleep(POLL_INTERVAL_S)
+                time.sleep(interval_s)
+                interval_s = min(POLL_INTERVAL_S, interval_s * 2)
     finally:
         if display:
             display.close()
