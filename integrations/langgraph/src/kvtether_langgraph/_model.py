@@ -1,0 +1,73 @@
+"""``tether(ChatOpenAI(...))``: the same chat model, each request tagged with its thread.
+
+The copy's OpenAI clients (``root_client`` / ``root_async_client``, and ``client`` /
+``async_client`` derived from them) are ``SessionPool.wrap`` copies of the originals, whose
+resolver is the LangGraph ``thread_id`` of the run sending the request. Everything else --
+messages, tool calls, usage metadata, streaming chunks, errors -- is ``ChatOpenAI``'s own.
+
+Chat Completions only: kvtether follows ``/chat/completions`` turns, so the copy has
+``use_responses_api=False`` and never switches to the Responses API on its own (built-in tools
+or Responses-only arguments would otherwise switch a plain ``ChatOpenAI`` per request).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtether import SessionPool
+from kvtether.errors import ConfigError
+from langchain_openai import ChatOpenAI
+
+from kvtether_langgraph._thread import current_thread_id
+
+__all__ = ["ResponsesAPIUnsupported", "tether", "is_tethered"]
+
+
+class ResponsesAPIUnsupported(ConfigError):
+    """A model asked to use OpenAI's Responses API, which kvtether does not tether."""
+
+
+def is_tethered(model: Any) -> bool:
+    """Whether ``model`` is a ``ChatOpenAI`` whose requests already go through kvtether."""
+    root = getattr(model, "root_client", None)
+    return getattr(getattr(root, "_client", None), "_kvtether_inner", None) is not None
+
+
+def tether(model: ChatOpenAI, pool: SessionPool) -> ChatOpenAI:
+    """A copy of ``model`` whose requests belong to the session of their LangGraph thread.
+
+    ``pool``: the ``SessionPool`` keeping one session per thread (its ``base_url`` is the
+    kvtether router; without one it is taken from the model's ``base_url``).
+    Raises ``ResponsesAPIUnsupported`` if the model uses (or would infer) the Responses API.
+    """
+    if not isinstance(model, ChatOpenAI):
+        raise ConfigError(
+            f"tether() expects a langchain_openai.ChatOpenAI, got "
+            f"{type(model).__module__}.{type(model).__qualname__}"
+        )
+    if is_tethered(model):
+        return model
+    if model.use_responses_api:
+        raise ResponsesAPIUnsupported(
+            "kvtether tethers Chat Completions (/v1/chat/completions) only, but this ChatOpenAI "
+            "uses the Responses API (use_responses_api=True, set by you or inferred from "
+            "reasoning=, include=, truncation=, output_version='responses/v1' or "
+            "use_previous_response_id=). Build it with use_responses_api=False (vLLM serves "
+            "reasoning through Chat Completions too)."
+        )
+    if model.root_client is None or model.root_async_client is None:
+        raise ConfigError(
+            "this ChatOpenAI has no OpenAI client yet (no api_key): pass api_key= (any "
+            "string for a local router) before tethering it"
+        )
+    root = pool.wrap(model.root_client, current_thread_id)
+    aroot = pool.wrap(model.root_async_client, current_thread_id)
+    return model.model_copy(
+        update={
+            "root_client": root,
+            "client": root.chat.completions,
+            "root_async_client": aroot,
+            "async_client": aroot.chat.completions,
+            "use_responses_api": False,
+        }
+    )
