@@ -1,0 +1,47 @@
+"""An unsupported framework version fails at import, naming the supported range."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+import pytest
+
+import kvtether_langgraph
+from kvtether_langgraph import UnsupportedFrameworkVersion, check_versions
+
+
+def test_installed_versions_are_supported() -> None:
+    check_versions()
+
+
+def test_a_new_major_is_refused_naming_the_range() -> None:
+    fake = {"langgraph": "2.0.1"}
+    with pytest.raises(UnsupportedFrameworkVersion, match=r"langgraph>=1\.0,<2\.0.*langgraph 2\.0\.1"):
+        check_versions(lambda dist: fake.get(dist, "1.5.0"))
+
+
+def test_a_missing_framework_is_refused_with_the_install_line() -> None:
+    def version(dist: str) -> str:
+        if dist == "langchain-openai":
+            raise metadata.PackageNotFoundError(dist)
+        return "1.0.0"
+
+    with pytest.raises(ImportError, match=r"pip install 'langchain-openai>=1\.0,<2\.0'"):
+        check_versions(version)
+
+
+def test_exported_names_are_pinned() -> None:
+    assert sorted(kvtether_langgraph.__all__) == sorted(
+        [
+            "KVTetherMiddleware",
+            "KVTetherCallbackHandler",
+            "tether",
+            "is_tethered",
+            "current_thread_id",
+            "thread_id_of",
+            "ResponsesAPIUnsupported",
+            "UnsupportedFrameworkVersion",
+            "SUPPORTED",
+            "check_versions",
+        ]
+    )
