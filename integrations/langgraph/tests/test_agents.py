@@ -55,8 +55,6 @@ def seen(messages: list[BaseMessage]) -> list[dict[str, Any]]:
     for m in messages:
         d = m.model_dump()
         d.pop("id", None)
-        for call in d.get("tool_call_chunks") or []:
-            call.pop("id", None) if call.get("id") is None else None
         out.append(d)
     return out
 
