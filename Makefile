@@ -1,13 +1,16 @@
 # Two entry points for a fresh machine: `make demo` and `make test`. Both set up what they need.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.kvtether-setup-$(shell cat pyproject.toml scripts/setup-venv.sh | sha1sum | cut -c1-12)
+SETUP_INPUTS := pyproject.toml scripts/setup-venv.sh $(wildcard integrations/*/pyproject.toml)
+STAMP := $(VENV)/.kvtether-setup-$(shell cat $(SETUP_INPUTS) | sha1sum | cut -c1-12)
+# The integrations' tests, where their distributions are installed (Python >= 3.11).
+INTEGRATION_TESTS = $$($(PY) -c 'import sys; print("integrations/langgraph/tests integrations/openai-agents/tests" if sys.version_info >= (3, 11) else "")')
 
 .PHONY: setup demo test test-fast bench clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/setup-venv.sh
+$(STAMP): $(SETUP_INPUTS)
 	bash scripts/setup-venv.sh $(VENV)
 	rm -f $(VENV)/.kvtether-setup-*
 	touch $@
@@ -16,10 +19,10 @@ demo: setup
 	$(PY) -m kvtether demo
 
 test: setup
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(INTEGRATION_TESTS) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest tests -m "not vllm" $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(INTEGRATION_TESTS) -m "not vllm" $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m kvtether bench idle

