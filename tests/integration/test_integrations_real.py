@@ -9,6 +9,7 @@ turns land on its own conversation id, and closing the pool / provider releases 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import random
 import time
@@ -205,3 +206,184 @@ def test_langgraph_two_threads_interleaved_with_a_long_and_a_failing_tool(short_
     for s, key in zip((s_plain, s_stream), keys, strict=True):
         assert s.released
         _assert_released(stack, s.conversation_id, key)
+
+
+# --- OpenAI Agents SDK -------------------------------------------------------------------------
+class _ToolCallingTransport(httpx.AsyncBaseTransport):
+    """Forwards to the router, and adds a planned tool call to some replies.
+
+    The tiny model cannot call tools, and vLLM cannot force it to (``tool_choice="required"``
+    uses guided decoding, which its word-level tokenizer breaks: "grammar rejected tokens", a
+    500). So the planned call is added to the reply below kvtether's client wrapper: the pool
+    sees a reply that asked for the tool (its ``tool_call_id`` finds the session for the
+    hooks' heartbeats) and the SDK runs the tool, as when a real model asks for it. The text the
+    model generated is unchanged, so the next prompt still extends the KV decode holds.
+    """
+
+    def __init__(self, plans: dict[str, list[str | None]]) -> None:
+        self._inner = httpx.AsyncHTTPTransport()
+        self.plans = plans  # conversation id -> per model call: a tool to call, or None
+        self._ids = itertools.count(1)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        import json
+
+        cid = request.headers.get("x-conversation-id")
+        response = await self._inner.handle_async_request(request)
+        plan = self.plans.get(cid or "")
+        name = plan.pop(0) if plan else None
+        if name is None or not request.url.path.endswith("/chat/completions"):
+            return response
+        body = await response.aread()
+        await response.aclose()
+        call_id = f"call_{next(self._ids)}"
+        call = {"id": call_id, "type": "function",
+                "function": {"name": name, "arguments": json.dumps({"topic": "tests"})}}
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            events = body.decode().split("\n\n")
+            out = []
+            for event in events:
+                if event.startswith("data: {"):
+                    obj = json.loads(event[len("data: "):])
+                    choice = (obj.get("choices") or [None])[0]
+                    if choice and choice.get("finish_reason"):
+                        extra = {**obj, "choices": [{"index": 0, "finish_reason": None, "delta": {
+                            "tool_calls": [{"index": 0, **call}]}}]}
+                        out.append("data: " + json.dumps(extra))
+                        choice["finish_reason"] = "tool_calls"
+                        event = "data: " + json.dumps(obj)
+                out.append(event)
+            new = "\n\n".join(out).encode()
+        else:
+            obj = json.loads(body)
+            obj["choices"][0]["message"]["tool_calls"] = [call]
+            obj["choices"][0]["finish_reason"] = "tool_calls"
+            new = json.dumps(obj).encode()
+        headers = [(k, v) for k, v in response.headers.items()
+                   if k.lower() not in ("content-length", "content-encoding", "transfer-encoding")]
+        return httpx.Response(response.status_code, headers=headers, content=new,
+                              request=request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def _sdk_key(session_id: str) -> str:
+    """The pool key of an SDK ``Session``'s runs: the runner's prompt-cache key for it, a
+    hash of the session id (how openai-agents 0.24 builds it)."""
+    return "agents-sdk:session:" + hashlib.sha256(session_id.encode()).hexdigest()[:32]
+
+
+def test_openai_agents_two_sessions_interleaved_with_a_long_and_a_failing_tool(
+    short_lease: Any,
+) -> None:
+    from agents import (
+        Agent,
+        ModelSettings,
+        RunConfig,
+        Runner,
+        SQLiteSession,
+        function_tool,
+    )
+    from openai import AsyncOpenAI
+
+    from kvtether_openai_agents import KVTetherProvider
+
+    stack = short_lease
+    # Not strict: vLLM enforces a strict tool's schema with a grammar once the model emits
+    # <tool_call>, which the random tiny model sometimes does, and the grammar fails on its
+    # word-level tokenizer (a 500). The tools' calls come from _ToolCallingTransport anyway.
+    slow_s = stack.lease_ttl_s + SLOW_TOOL_MARGIN_S
+    raised: list[str] = []
+
+    @function_tool(strict_mode=False)
+    async def slow_lookup(topic: str) -> str:
+        """Look a topic up (slower than the decode lease)."""
+        await asyncio.sleep(slow_s)
+        return f"notes on {topic}: all tests pass."
+
+    @function_tool(strict_mode=False)
+    def broken(topic: str) -> str:
+        """Always fails."""
+        raised.append(topic)
+        raise RuntimeError(f"broken tool cannot look up {topic}")
+
+    @function_tool(strict_mode=False)
+    def quick(topic: str) -> str:
+        """A quick lookup."""
+        return f"{topic}: fine."
+
+    async def main() -> None:
+        transport = _ToolCallingTransport({})
+        client = AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="-", max_retries=0,
+                             http_client=httpx.AsyncClient(transport=transport, timeout=30))
+        kv = KVTetherProvider(stack.base_url, openai_client=client)
+        # Per model call of each conversation: the tool its reply asks for, or None (text only).
+        # A run whose reply asks for a tool calls the model again after the tool: two turns.
+        transport.plans.update({
+            kv.pool.get(_sdk_key("oa-plain")).conversation_id:
+                ["slow_lookup", None, "broken", None, None],
+            kv.pool.get(_sdk_key("oa-stream")).conversation_id: ["quick", None, None],
+        })
+        agent = Agent(
+            name="coder", instructions=_system_prompt(), model=stack.model,
+            tools=[slow_lookup, broken, quick],
+            # "none": vLLM runs no tool parser on the replies. With tools and "auto", the hermes
+            # parser reads the random model's stray <tool_call> words: a streamed reply then
+            # loses that text (the next prompt no longer extends the held KV: a correct
+            # "miss:prefix_break") and a strict tool's grammar fails on the tiny tokenizer.
+            # The SDK still runs the tool calls a reply holds.
+            model_settings=ModelSettings(max_tokens=MAX_TOKENS, temperature=0, tool_choice="none"),
+        )
+        # A second agent with its own instructions: the two conversations share no KV blocks.
+        agent_b = agent.clone(instructions=_system_prompt())
+        run_config = RunConfig(model_provider=kv, tracing_disabled=True)
+        plain, streamed = SQLiteSession("oa-plain"), SQLiteSession("oa-stream")
+        events: list[str] = []
+
+        async def run_plain(text: str) -> Any:
+            return await Runner.run(agent, text, session=plain, run_config=run_config,
+                                    hooks=kv.hooks, max_turns=4)
+
+        async def run_stream(text: str) -> Any:
+            result = Runner.run_streamed(agent_b, text, session=streamed,
+                                         run_config=run_config, hooks=kv.hooks, max_turns=4)
+            async for event in result.stream_events():
+                events.append(event.type)
+            return result
+
+        t0 = time.monotonic()
+        r = await run_plain("explain what the tests do.")  # slow_lookup outlives the lease
+        assert time.monotonic() - t0 > stack.lease_ttl_s, (r.new_items, transport.plans)
+        assert [i.type for i in r.new_items] == [
+            "message_output_item", "tool_call_item", "tool_call_output_item",
+            "message_output_item"], r.new_items
+        assert "all tests pass" in r.new_items[2].output
+        s = await run_stream("explain what the tests do.")  # quick
+        assert s.new_items[2].output == "tests: fine."
+        r = await run_plain("tell more.")  # broken: the error reaches the model, as without us
+        # The SDK's default tool-error handling, as without kvtether: the model reads a message.
+        assert raised == ["tests"]
+        assert r.new_items[2].output.startswith("An error occurred while running the tool")
+        s = await run_stream("tell more.")
+        r = await run_plain("and then?")
+        assert isinstance(r.final_output, str) and isinstance(s.final_output, str)
+        assert events.count("raw_response_event") > 6  # the streamed runs really streamed
+
+        s_plain, s_stream = kv.pool.get(_sdk_key("oa-plain")), kv.pool.get(_sdk_key("oa-stream"))
+        assert s_plain.conversation_id != s_stream.conversation_id
+        assert [t.stream for t in s_plain.turns] == [False] * 5
+        assert [t.stream for t in s_stream.turns] == [True] * 3
+        keys = [_assert_conversation(stack, s_plain, 5), _assert_conversation(stack, s_stream, 3)]
+        runs = {run.name: run for run in s_plain.tool_runs}
+        assert runs["slow_lookup"].duration_s > stack.lease_ttl_s
+        assert runs["slow_lookup"].heartbeats >= 2 and runs["slow_lookup"].heartbeat_failures == 0
+        assert [run.name for run in s_stream.tool_runs] == ["quick"]
+        assert not any(transport.plans.values())  # every planned model call was made
+        await kv.aclose()  # releases both conversations' KV
+        for session, key in zip((s_plain, s_stream), keys, strict=True):
+            assert session.released
+            _assert_released(stack, session.conversation_id, key)
+        await client.close()
+
+    asyncio.run(main())
