@@ -21,7 +21,6 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 SLOW_TOOL_MARGIN_S = 3.0  # the slow tool runs this much longer than the lease
-MAX_TOKENS = 24
 # The tiny model's tokenizer knows only a few hundred words (anything else is <unk>), so every
 # conversation opens with its own random run of known words: otherwise conversations share
 # their first KV blocks, prefill's own prefix cache covers all but a few decode-held tokens, and
@@ -29,6 +28,12 @@ MAX_TOKENS = 24
 # correct "miss:below_threshold" but not what these tests are about. For the same reason each
 # reply is long: prefill caches the full blocks of the prompt it computed, so decode must hold
 # at least 16 tokens beyond them (the prompt's last partial block plus the reply).
+MAX_TOKENS = 24
+# The random model must not emit the tokenizer's special tokens (ids 0-3: <|endoftext|>,
+# <|im_start|>, <|im_end|>, <unk>): vLLM leaves them out of the reply's text, so the re-sent
+# history would not extend the KV decode holds (a correct "miss:prefix_break"), and an early
+# <|im_end|> would leave too short a reply. Every reply is MAX_TOKENS ordinary words.
+EXTRA_BODY = {"logit_bias": {str(i): -100 for i in range(4)}}
 _WORDS = (
     "you are a helpful please can could would should will is was be have has had do did what "
     "when where which who why how this that these those it its in on at to from by with for of "
@@ -139,7 +144,8 @@ def test_langgraph_two_threads_interleaved_with_a_long_and_a_failing_tool(short_
     with SessionPool(stack.base_url) as pool:
         model = tether(
             ChatOpenAI(model=stack.model, base_url=stack.base_url + "/v1", api_key="-",
-                       max_tokens=MAX_TOKENS, temperature=0, max_retries=0),
+                       max_tokens=MAX_TOKENS, temperature=0, max_retries=0,
+                       extra_body=EXTRA_BODY),
             pool,
         )
 
@@ -333,7 +339,8 @@ def test_openai_agents_two_sessions_interleaved_with_a_long_and_a_failing_tool(
             # loses that text (the next prompt no longer extends the held KV: a correct
             # "miss:prefix_break") and a strict tool's grammar fails on the tiny tokenizer.
             # The SDK still runs the tool calls a reply holds.
-            model_settings=ModelSettings(max_tokens=MAX_TOKENS, temperature=0, tool_choice="none"),
+            model_settings=ModelSettings(max_tokens=MAX_TOKENS, temperature=0, tool_choice="none",
+                                         extra_body=EXTRA_BODY),
         )
         # A second agent with its own instructions: the two conversations share no KV blocks.
         agent_b = agent.clone(instructions=_system_prompt())
