@@ -47,6 +47,9 @@ class Backend:
         self.last_error = None
 
 
+KEEPALIVE_EXPIRY_S = 2.0
+
+
 class BackendPool:
     """Prefill instances are picked by load; decode instances by conversation affinity."""
 
@@ -56,7 +59,11 @@ class BackendPool:
         timeout = httpx.Timeout(
             settings.upstream_timeout_s, connect=settings.upstream_connect_timeout_s
         )
-        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+        # Idle connections are dropped before vLLM's server drops them (uvicorn's keep-alive,
+        # VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default, like httpx's own expiry): with equal
+        # timers a request could go out on a connection the server was closing (ReadError, 502).
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100,
+                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
 
         def make(role: str, urls: list[str], controls: list[str]) -> list[Backend]:
             out = []
