@@ -9,7 +9,6 @@ turns land on its own conversation id, and closing the pool / provider releases 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import random
 import time
@@ -274,12 +273,6 @@ class _ToolCallingTransport(httpx.AsyncBaseTransport):
         await self._inner.aclose()
 
 
-def _sdk_key(session_id: str) -> str:
-    """The pool key of an SDK ``Session``'s runs: the runner's prompt-cache key for it, a
-    hash of the session id (how openai-agents 0.24 builds it)."""
-    return "agents-sdk:session:" + hashlib.sha256(session_id.encode()).hexdigest()[:32]
-
-
 def test_openai_agents_two_sessions_interleaved_with_a_long_and_a_failing_tool(
     short_lease: Any,
 ) -> None:
@@ -327,9 +320,9 @@ def test_openai_agents_two_sessions_interleaved_with_a_long_and_a_failing_tool(
         # Per model call of each conversation: the tool its reply asks for, or None (text only).
         # A run whose reply asks for a tool calls the model again after the tool: two turns.
         transport.plans.update({
-            kv.pool.get(_sdk_key("oa-plain")).conversation_id:
+            kv.session_for(session="oa-plain").conversation_id:
                 ["slow_lookup", None, "broken", None, None],
-            kv.pool.get(_sdk_key("oa-stream")).conversation_id: ["quick", None, None],
+            kv.session_for(session="oa-stream").conversation_id: ["quick", None, None],
         })
         agent = Agent(
             name="coder", instructions=_system_prompt(), model=stack.model,
@@ -377,7 +370,7 @@ def test_openai_agents_two_sessions_interleaved_with_a_long_and_a_failing_tool(
         assert isinstance(r.final_output, str) and isinstance(s.final_output, str)
         assert events.count("raw_response_event") > 6  # the streamed runs really streamed
 
-        s_plain, s_stream = kv.pool.get(_sdk_key("oa-plain")), kv.pool.get(_sdk_key("oa-stream"))
+        s_plain, s_stream = kv.session_for(session="oa-plain"), kv.session_for(session="oa-stream")
         assert s_plain.conversation_id != s_stream.conversation_id
         assert [t.stream for t in s_plain.turns] == [False] * 5
         assert [t.stream for t in s_stream.turns] == [True] * 3

@@ -198,6 +198,12 @@ async def test_interleaved_runs_keep_their_own_conversation(router: Any, provide
     assert len(seen["a"]) == 1 and len(seen["b"]) == 1 and seen["a"] != seen["b"]
     # Each conversation's second run continued its first (the router counted two turns each).
     assert [router.conversations[cid].turns for cid in (*seen["a"], *seen["b"])] == [2, 2]
+    # session_for() finds each conversation's kvtether session from the SDK session or its id.
+    for name in "ab":
+        found = provider.session_for(session=sessions[name])
+        assert {found.conversation_id} == seen[name]
+        assert provider.session_for(session=f"user-{name}") is found
+        assert len(found.turns) == 2
 
 
 async def test_group_id_and_a_fresh_run_each(router: Any, provider: Any) -> None:
@@ -208,6 +214,7 @@ async def test_group_id_and_a_fresh_run_each(router: Any, provider: Any) -> None
     await Runner.run(agent(), "four", run_config=RunConfig(model_provider=provider))
     cids = [r.headers[HEADER_CONVERSATION_ID.lower()] for r in chat_requests(router)]
     assert cids[0] == cids[1]
+    assert provider.session_for(group_id="thread-7").conversation_id == cids[0]
     assert len({cids[1], cids[2], cids[3]}) == 3  # no grouping: one conversation per run
 
 
@@ -336,6 +343,11 @@ def test_an_unknown_sdk_version_is_refused_naming_the_range(version: str) -> Non
     assert version in str(info.value) and isinstance(info.value, ImportError)
     assert SUPPORTED_RANGE == ">=0.24,<0.25"
     assert check_agents_version("0.24.0") == "0.24.0"
+
+
+def test_session_for_needs_a_grouping(provider: Any) -> None:
+    with pytest.raises(ValueError, match="conversation_id, session or group_id"):
+        provider.session_for()
 
 
 def test_public_names() -> None:

@@ -21,7 +21,7 @@ import openai
 from agents.models.interface import Model, ModelProvider
 from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
 from agents.model_settings import ModelSettings
-from kvtether.session import AsyncSessionPool, SessionSettings
+from kvtether.session import AsyncSession, AsyncSessionPool, SessionSettings
 from kvtether.session._tools import ToolCall
 
 __all__ = ["KVTetherProvider"]
@@ -156,6 +156,32 @@ class KVTetherProvider(ModelProvider):
     def pool(self) -> AsyncSessionPool:
         """The sessions, one per conversation key: ``provider.pool.get(key).report()``."""
         return self._pool
+
+    def session_for(
+        self,
+        *,
+        conversation_id: str | None = None,
+        session: Any = None,
+        group_id: str | None = None,
+    ) -> AsyncSession:
+        """The kvtether session of the runs grouped by ``conversation_id``, an SDK ``Session``
+        (or its ``session_id``) or ``group_id`` — the first given, in the runner's own order.
+
+        The runner hands models a prompt-cache key derived from that grouping (a hash of the id
+        in openai-agents 0.24); this derives it the runner's way, so ``kv.session_for(
+        session=sdk_session).report()`` shows that conversation's turns.
+        """
+        from agents.run_internal.prompt_cache_key import _prompt_cache_key_for_grouping
+
+        if conversation_id is not None:
+            kind, value = "conversation", conversation_id
+        elif session is not None:
+            kind, value = "session", str(getattr(session, "session_id", session))
+        elif group_id is not None:
+            kind, value = "group", group_id
+        else:
+            raise ValueError("session_for() needs conversation_id, session or group_id")
+        return self._pool.get(_prompt_cache_key_for_grouping(kind, value))
 
     @property
     def hooks(self) -> Any:
