@@ -51,7 +51,7 @@ def _draw(ax: Any, turns: Sequence[Any], title: str | None) -> None:
     xs = list(range(len(turns)))
     reused = [t.reused_tokens for t in turns]
     recomputed = [max(t.prompt_tokens - t.reused_tokens, 0) for t in turns]
-    ax.bar(xs, reused, color=REUSED, label="reused (KV read from decode)")
+    ax.bar(xs, reused, color=REUSED, label="reused (cached KV: decode-held or prefill cache)")
     ax.bar(xs, recomputed, bottom=reused, color=RECOMPUTED, label="recomputed (prefill)")
     ax.set_xticks(xs, [f"{t.turn}\n{t.outcome}" for t in turns], fontsize=8)
     ax.set_xlabel("turn / outcome")
