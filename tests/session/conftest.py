@@ -1,40 +1,16 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from kvtether.session import AsyncSession, Session, SessionSettings
+from kvtether.session import AsyncSession, Session
 
-from .fake_router import FakeRouter, ServerThread, build_app
-
-FAST = SessionSettings(heartbeat_interval_s=0.05, request_timeout_s=1.0)
-
-
-def heartbeat_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("kvtether-heartbeat")]
-
-
-@pytest.fixture(scope="session")
-def _server() -> Iterator[FakeRouter]:
-    fake = FakeRouter()
-    server = ServerThread(build_app(fake))
-    fake.url = server.start()
-    yield fake
-    server.stop()
-
-
-@pytest.fixture
-def router(_server: FakeRouter) -> Iterator[FakeRouter]:
-    _server.reset()
-    yield _server
-    # Every test must leave no heartbeat running: a leaked thread would renew a lease forever.
-    assert heartbeat_threads() == []
-
+from .fake_router import FakeRouter
+from .fixtures import FAST, _server, dead_url, heartbeat_threads, router  # noqa: F401 (fixtures)
 
 @pytest.fixture
 def session(router: FakeRouter) -> Iterator[Session]:
@@ -68,15 +44,7 @@ async def aclient(router: FakeRouter, asession: AsyncSession) -> AsyncIterator[A
     await base.close()
 
 
-@pytest.fixture
-def dead_url() -> str:
-    """A localhost URL nothing listens on: connections are refused at once."""
-    import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
 
 
 def wait_for(condition: Callable[[], object], timeout_s: float = 10.0) -> None:

@@ -4,19 +4,13 @@ so it cannot clash with the core's ``tests`` package it imports the fake router 
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any
 
-from kvtether.session import SessionSettings
 from langchain_openai import ChatOpenAI
 
 from tests.session.fake_router import FakeRouter
+from tests.session.fixtures import FAST, heartbeat_threads  # noqa: F401 (re-exported)
 
-FAST = SessionSettings(heartbeat_interval_s=0.05, request_timeout_s=1.0)
-
-
-def heartbeat_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("kvtether-heartbeat")]
 
 
 def chat_model(router: FakeRouter, **kwargs: Any) -> ChatOpenAI:

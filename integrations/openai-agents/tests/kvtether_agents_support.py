@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from openai import AsyncOpenAI
 
-from kvtether.session import SessionSettings
+from tests.session.fixtures import FAST  # noqa: F401 (re-exported)
 
-FAST = SessionSettings(heartbeat_interval_s=0.05, request_timeout_s=1.0)
 
 
 def plain_client(url: str) -> AsyncOpenAI:
