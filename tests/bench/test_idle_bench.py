@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from kvtether.bench import cli as bench_cli
 from kvtether.bench._measure import histogram_quantile, percentile
 from kvtether.bench.idle import Turn, VariantResult, main
 
@@ -46,14 +45,6 @@ def test_eligible_turns_exclude_prefix_breaks_and_fired_is_compared_on_ttft() ->
     assert v.fired_faster_than_first() == 1
     s = v.summary()
     assert s["first_turn_ttft_s"] == 0.3 and s["turn_p50_s"] == 1.0
-
-
-def test_bench_command_names_what_is_available(capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench_cli.main([]) == 2
-    assert "bench idle" in capsys.readouterr().err
-    assert bench_cli.main(["nope"]) == 2
-    assert "unknown benchmark 'nope'" in capsys.readouterr().err
-    assert bench_cli.main(["--help"]) == 0
 
 
 def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

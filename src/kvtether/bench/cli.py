@@ -1,5 +1,8 @@
 """`kvtether bench`: benchmarks that start real stacks.
 
+* ``kvtether bench [options]`` (or ``kvtether bench compare``) — replay agent sessions against
+  four strategies side by side (:mod:`kvtether.bench.compare`).
+* ``kvtether bench generate --out FILE`` — write a seeded scenario file.
 * ``kvtether bench idle`` — idle CPU, turn times and NIXL read times, stock vs kvtether
   (:mod:`kvtether.bench.idle`).
 """
@@ -10,12 +13,6 @@ import sys
 
 __all__ = ["main"]
 
-_USAGE = """usage: kvtether bench idle [options]   (see `kvtether bench idle --help`)
-
-  idle   start the stack stock and with kvtether's defaults; measure idle CPU with a
-         retained lease, turn times, NIXL read times and reuse
-"""
-
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
@@ -23,13 +20,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvtether.bench.idle import main as idle_main
 
         return idle_main(args[1:])
-    if args[:1] in (["-h"], ["--help"]):
-        print(_USAGE)
-        return 0
-    print(_USAGE, file=sys.stderr)
-    if args:
-        print(f"error: unknown benchmark {args[0]!r}", file=sys.stderr)
-    else:
-        print("error: the strategy comparison (`kvtether bench` replaying agent sessions) is "
-              "not available yet; `kvtether bench idle` is", file=sys.stderr)
-    return 2
+    if args[:1] == ["generate"]:
+        from kvtether.bench.compare import generate_main
+
+        return generate_main(args[1:])
+    from kvtether.bench.compare import main as compare_main
+
+    return compare_main(args[1:] if args[:1] == ["compare"] else args)

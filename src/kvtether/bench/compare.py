@@ -1,0 +1,251 @@
+"""`kvtether bench` (``compare``): replay agent sessions against four strategies, side by side.
+
+One scenario (generated from a seed, or read from a file), one time-compression factor, the
+strategies one after the other on this host, each started fresh and stopped before the next
+(also on errors and Ctrl-C). ``colocated`` runs first: its greedy outputs are the reference
+the others are compared with. Writes ``results.json``, ``results.md`` and three plots to
+``--out``, and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import logging
+import platform
+import shlex
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from kvtether.bench import report
+from kvtether.bench.metrics import mark_divergence, summarize
+from kvtether.bench.scenario import Scenario, ScenarioError, generate_scenario, load_scenario
+from kvtether.bench.strategies import (
+    FIXED_TTL_S,
+    STRATEGIES,
+    StrategyOptions,
+    start_strategy,
+)
+
+__all__ = ["build_parser", "generate_main", "main", "run"]
+
+logger = logging.getLogger(__name__)
+
+
+def _scenario_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("generated scenario (when --scenario is not given)")
+    g.add_argument("--sessions", type=int, default=8, help="agent sessions (default 8)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--turns", type=int, nargs=2, default=(4, 8), metavar=("MIN", "MAX"),
+                   help="model calls per session (default 4 8)")
+    g.add_argument("--context-tokens", type=int, default=2048,
+                   help="sessions end at 75-100%% of this many prompt tokens (default 2048)")
+    g.add_argument("--system-tokens", type=int, default=600,
+                   help="shared system prompt + tool schemas (default 600)")
+    g.add_argument("--max-output-tokens", type=int, default=128)
+    g.add_argument("--long-tools", type=int, default=2,
+                   help="tool calls drawn from the far tail, 540-900 s (default 2)")
+    g.add_argument("--stream-fraction", type=float, default=0.5,
+                   help="share of sessions that stream (default 0.5)")
+    g.add_argument("--arrival-s", type=float, default=20.0,
+                   help="mean workload seconds between session starts (default 20)")
+
+
+def _generate(args: argparse.Namespace) -> Scenario:
+    return generate_scenario(
+        args.sessions, seed=args.seed, turns=tuple(args.turns),
+        context_tokens=args.context_tokens, system_tokens=args.system_tokens,
+        max_output_tokens=args.max_output_tokens, long_tools=args.long_tools,
+        stream_fraction=args.stream_fraction, arrival_s=args.arrival_s,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtether bench",
+        description="Replay agent sessions against colocated vLLM, P/D one-way, P/D "
+        "bidirectional as upstream ships it, and kvtether; compare reuse, TTFT, recomputed "
+        "tokens, retained KV, output identity. Other benchmarks: `kvtether bench idle`, "
+        "`kvtether bench generate` (write a scenario file).",
+    )
+    parser.add_argument("--scenario", type=Path, default=None,
+                        help="scenario file (kvtether JSON, or vLLM benchmarks/multi_turn "
+                        "conversations); default: generate one")
+    parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES),
+                        default=list(STRATEGIES), help="default: all four")
+    parser.add_argument("--profile", default="cpu-bench",
+                        help="stack profile (default cpu-bench: SmolLM2 at 2-4K contexts; "
+                        "cpu-tiny for a quick run, gpu on a GPU box)")
+    parser.add_argument("--compress", type=float, default=16.0,
+                        help="time compression: every duration and TTL divided by this "
+                        "(default 16: the 480 s fixed TTL lasts 30 s)")
+    parser.add_argument("--prefill-cache", action=argparse.BooleanOptionalAction,
+                        default=False,
+                        help="prefix cache on the P/D prefill instance (default off: a "
+                        "prefill pool whose cache does not hold the conversation)")
+    parser.add_argument("--max-retained-tokens", type=int, default=None,
+                        help="kvtether budget per decode instance (default: none)")
+    parser.add_argument("--think-s", type=float, default=60.0,
+                        help="gap between turns of a vLLM multi-turn file (workload seconds)")
+    parser.add_argument("--port", type=int, default=8800,
+                        help="router port; instances above it (default 8800)")
+    parser.add_argument("--turn-timeout-s", type=float, default=900.0)
+    parser.add_argument("--state-dir", type=Path, default=Path(".kvtether/bench"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results directory (default .kvtether/bench/results-<time>)")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    _scenario_args(parser)
+    return parser
+
+
+def run(args: argparse.Namespace, scenario: Scenario, command: str) -> dict[str, Any]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    opts = StrategyOptions(
+        profile=args.profile, compress=args.compress, port=args.port, state_dir=args.state_dir,
+        prefill_prefix_caching=args.prefill_cache, max_retained_tokens=args.max_retained_tokens,
+    )
+    run_id = uuid.uuid4().hex[:8]
+    strategies: dict[str, dict[str, Any]] = {}
+    turns_by_strategy: dict[str, list[Any]] = {}
+    columns = (TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("turns"), TimeElapsedColumn())
+    with Progress(*columns) as progress:
+        tasks = {name: progress.add_task(f"{name}: waiting", total=scenario.turns)
+                 for name in args.strategies}
+        for name in args.strategies:
+            strategy = STRATEGIES[name]
+            task = tasks[name]
+            progress.update(task, description=f"{name}: starting")
+            with start_strategy(strategy, opts) as endpoints:
+                progress.update(task, description=f"{name}: replaying")
+                replayed = asyncio.run(_replay(scenario, endpoints, strategy, args, run_id,
+                                               lambda n, t=task: progress.advance(t, n)))
+            progress.update(task, description=f"{name}: done")
+            turns_by_strategy[name] = replayed.turns
+            strategies[name] = {"replay": replayed, "endpoints": endpoints}
+    reference = "colocated" if "colocated" in turns_by_strategy else None
+    if reference:
+        for name, turns in turns_by_strategy.items():
+            if name != reference:
+                mark_divergence(turns_by_strategy[reference], turns)
+    summary: dict[str, Any] = {}
+    detail: dict[str, Any] = {}
+    for name, data in strategies.items():
+        r = data["replay"]
+        kv = [(s.t_s, s.tokens) for s in r.kv]
+        m = summarize(name, r.turns, kv, wall_s=r.wall_s, drain_s=r.drain_s,
+                      compress=args.compress, not_run=r.not_run)
+        summary[name] = m.as_dict()
+        detail[name] = {
+            "description": STRATEGIES[name].description,
+            "kv_capacity_tokens": r.kv_capacity_tokens,
+            "turns": [t.as_dict() for t in r.turns],
+            "kv": kv,
+        }
+    return {
+        "run": {
+            "command": command,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": f"{platform.node()} ({platform.machine()}, "
+                    f"{_cpu_count()} cores)",
+            "profile": args.profile,
+            "compress": args.compress,
+            "fixed_ttl_s": FIXED_TTL_S,
+            "prefill_prefix_caching": args.prefill_cache,
+            "reference": reference,
+            "scenario": {"name": scenario.name, "source": scenario.source},
+            "scenario_summary": scenario.summary(FIXED_TTL_S),
+        },
+        "summary": summary,
+        "targets": report.targets(summary),
+        "strategies": detail,
+    }
+
+
+def _cpu_count() -> int:
+    import os
+
+    return os.cpu_count() or 1
+
+
+async def _replay(scenario: Scenario, endpoints: Any, strategy: Any,
+                  args: argparse.Namespace, run_id: str, advance: Any) -> Any:
+    from kvtether.bench.replay import replay
+
+    return await replay(
+        scenario, endpoints, strategy, compress=args.compress, run_id=run_id,
+        drain_cap_s=FIXED_TTL_S / args.compress + 15.0, timeout_s=args.turn_timeout_s,
+        advance=advance,
+    )
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    meta = result["run"]
+    table = Table(title=f"kvtether bench — {meta['scenario']['name']}, profile "
+                  f"{meta['profile']}, time compression {meta['compress']:g}x")
+    for col in ("strategy", "reuse", "TTFT p50/p99 s", "recomputed", "KV token-s",
+                "divergent", "failed"):
+        table.add_column(col, justify="left" if col == "strategy" else "right")
+    for name, m in result["summary"].items():
+        table.add_row(
+            name, f"{m['fired_turns']}/{m['eligible_turns']}",
+            f"{report._fmt(m['ttft_p50_s'], 2)}/{report._fmt(m['ttft_p99_s'], 2)}",
+            str(m["recomputed_tokens"]), f"{m['retained_kv_token_s_workload']:.0f}",
+            "ref" if name == meta["reference"] else report._fmt(m["divergent_outputs"]),
+            str(m["failed_turns"]),
+        )
+    console = Console()
+    console.print(table)
+    for row in result["targets"]:
+        met = "-" if row["met"] is None else ("met" if row["met"] else "MISSED")
+        console.print(f"  {row['target']}: {row['measured']} (goal {row['goal']}) {met}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.compress <= 0:
+        parser.error("--compress must be > 0")
+    if args.sessions < 1:
+        parser.error("--sessions must be at least 1")
+    try:
+        scenario = (load_scenario(args.scenario, think_s=args.think_s)
+                    if args.scenario else _generate(args))
+    except (ScenarioError, ValueError) as exc:
+        parser.error(str(exc))
+    out = args.out or args.state_dir / f"results-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    command = "kvtether bench " + shlex.join(argv)
+    result = run(args, scenario, command)
+    scenario.save(out / "scenario.json")
+    paths = report.write_results(result, out)
+    if not args.no_plots:
+        paths += report.write_plots(result, out)
+    _print_table(result)
+    print("results: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def generate_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvtether bench generate",
+        description="Write a seeded agent-session scenario file for `kvtether bench --scenario`.",
+    )
+    parser.add_argument("--out", type=Path, required=True, help="scenario file to write")
+    _scenario_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        scenario = _generate(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    scenario.save(args.out)
+    print(f"{args.out}: " + ", ".join(f"{k} {v}" for k, v in
+                                      scenario.summary(FIXED_TTL_S).items()))
+    return 0

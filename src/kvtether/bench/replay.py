@@ -1,0 +1,279 @@
+"""Replay a scenario's sessions concurrently through the OpenAI SDK, as agents would.
+
+Each session is one agent: it appends its turn's messages, calls the model (streamed or not, as
+the scenario says), appends the model's own answer, then waits out the gap (a tool running, a
+person thinking), every duration divided by the time-compression factor. For the ``kvtether``
+strategy the OpenAI client is wrapped by :class:`kvtether.AsyncSession`, the tool gaps run inside
+``session.tool_call(...)`` (heartbeats renew the lease) and the session is closed (its KV
+released) at the end; the other strategies use the plain SDK, the way they are deployed.
+
+Per turn it records TTFT (streamed turns: first token), latency, prompt and output token ids
+(``return_token_ids``), the cached tokens the server reports and the router's outcome label,
+and from the token ids the turn's honest reuse outcome (:mod:`kvtether.bench.metrics`). A
+sampler reads ``vllm:kv_cache_usage_perc`` of the instances that hold KV every
+``sample_every_s`` for the retained-KV curve, and keeps sampling after the last session until
+that KV is gone (so a fixed TTL's tail is counted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvtether import protocol as p
+from kvtether.bench.metrics import TurnResult, classify
+from kvtether.bench.scenario import Scenario, ScenarioSession
+from kvtether.bench.strategies import Endpoints, Strategy
+
+__all__ = ["KVSample", "ReplayResult", "replay"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KVSample:
+    t_s: float  # wall seconds since the replay started
+    tokens: float  # KV tokens held, summed over the sampled instances
+
+
+@dataclass
+class ReplayResult:
+    turns: list[TurnResult] = field(default_factory=list)
+    kv: list[KVSample] = field(default_factory=list)
+    wall_s: float = 0.0  # first session start to last session end
+    drain_s: float = 0.0  # after that, until the held KV was gone (or the cap)
+    kv_capacity_tokens: dict[str, int] = field(default_factory=dict)
+    not_run: int = 0  # turns after a failed turn in the same session
+
+
+async def _kv_capacity(client: httpx.AsyncClient, url: str) -> int:
+    """KV capacity of one instance in tokens, from ``vllm:cache_config_info``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (await client.get(f"{url}/metrics")).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:cache_config_info":
+            for sample in family.samples:
+                blocks = sample.labels.get("num_gpu_blocks")
+                size = sample.labels.get("block_size")
+                if blocks and blocks != "None" and size:
+                    return int(blocks) * int(size)
+    return 0
+
+
+async def _kv_usage(client: httpx.AsyncClient, url: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (await client.get(f"{url}/metrics")).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:kv_cache_usage_perc":
+            total += sum(s.value for s in family.samples)
+    return total
+
+
+class _Sampler:
+    def __init__(self, urls: list[str], capacity: dict[str, int], every_s: float) -> None:
+        self.urls, self.capacity, self.every_s = urls, capacity, every_s
+        self.samples: list[KVSample] = []
+        self.t0 = time.monotonic()
+
+    async def sample(self, client: httpx.AsyncClient) -> float:
+        values = await asyncio.gather(*(_kv_usage(client, u) for u in self.urls),
+                                      return_exceptions=True)
+        tokens = sum(v * self.capacity.get(u, 0) for u, v in zip(self.urls, values, strict=True)
+                     if isinstance(v, float))
+        self.samples.append(KVSample(round(time.monotonic() - self.t0, 3), round(tokens, 1)))
+        return tokens
+
+    async def run(self, client: httpx.AsyncClient, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.sample(client)
+            try:
+                await asyncio.wait_for(stop.wait(), self.every_s)
+            except TimeoutError:
+                pass
+
+
+def _ids_digest(ids: list[int]) -> str:
+    return hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()[:16]
+
+
+def _extra(obj: Any, name: str) -> Any:
+    extra = getattr(obj, "model_extra", None) or {}
+    return extra.get(name, getattr(obj, name, None))
+
+
+async def _parsed(raw: Any) -> Any:
+    """``raw.parse()``: a value in openai 2.x's async client, awaitable in others."""
+    value = raw.parse()
+    return await value if inspect.isawaitable(value) else value
+
+
+async def _call(client: Any, endpoints: Endpoints, strategy: Strategy, cid: str,
+                messages: list[dict[str, str]], max_tokens: int, stream: bool
+                ) -> tuple[dict[str, Any], Any]:
+    """One model call; returns what the turn record needs, and the response headers."""
+    extra_body: dict[str, Any] = {"return_token_ids": True}
+    if strategy.body_conversation_id:
+        extra_body[p.BODY_CONVERSATION_ID] = cid
+    kwargs: dict[str, Any] = dict(model=endpoints.served_model_name, messages=messages,
+                                  max_tokens=max_tokens, temperature=0, stream=stream,
+                                  extra_body=extra_body)
+    if stream:
+        kwargs["stream_options"] = {"include_usage": True}
+    start = time.perf_counter()
+    raw = await client.chat.completions.with_raw_response.create(**kwargs)
+    out: dict[str, Any] = {"ttft_s": None, "prompt_ids": None, "output_ids": [], "text": "",
+                           "usage": None}
+    if stream:
+        chunks = await _parsed(raw)
+        parts: list[str] = []
+        async for chunk in chunks:
+            if out["prompt_ids"] is None and _extra(chunk, "prompt_token_ids"):
+                out["prompt_ids"] = list(_extra(chunk, "prompt_token_ids"))
+            for choice in chunk.choices:
+                ids = _extra(choice, "token_ids") or []
+                content = choice.delta.content if choice.delta else None
+                if out["ttft_s"] is None and (ids or content):
+                    out["ttft_s"] = time.perf_counter() - start
+                out["output_ids"].extend(ids)
+                if content:
+                    parts.append(content)
+            if chunk.usage is not None:
+                out["usage"] = chunk.usage
+        out["text"] = "".join(parts)
+    else:
+        resp = await _parsed(raw)
+        choice = resp.choices[0]
+        out["prompt_ids"] = list(_extra(resp, "prompt_token_ids") or [])
+        out["output_ids"] = list(_extra(choice, "token_ids") or [])
+        out["text"] = choice.message.content or ""
+        out["usage"] = resp.usage
+    out["latency_s"] = time.perf_counter() - start
+    return out, raw.headers
+
+
+async def _session(
+    s: ScenarioSession, scenario: Scenario, endpoints: Endpoints, strategy: Strategy,
+    compress: float, run_id: str, t0: float, results: list[TurnResult],
+    advance: Callable[[int], None], timeout_s: float,
+) -> int:
+    """One agent session; returns how many of its turns did not run after a failure."""
+    from openai import AsyncOpenAI
+
+    from kvtether import AsyncSession
+
+    await asyncio.sleep(max(0.0, t0 + s.start_s / compress - time.monotonic()))
+    cid = f"bench-{run_id}-{s.id}"
+    http = httpx.AsyncClient(trust_env=False, timeout=timeout_s)
+    client: Any = AsyncOpenAI(base_url=endpoints.openai_base_url, api_key="-", max_retries=0,
+                              timeout=timeout_s, http_client=http)
+    session = None
+    if strategy.client == "kvtether":
+        session = AsyncSession(base_url=endpoints.router_url, conversation_id=cid)
+        client = session.wrap(client)
+    messages: list[dict[str, str]] = [{"role": "system", "content": scenario.system_prompt}]
+    built: list[int] | None = None
+    try:
+        for index, turn in enumerate(s.turns, start=1):
+            messages.extend(m.model_dump() for m in turn.append)
+            started = time.monotonic() - t0
+            try:
+                out, headers = await _call(client, endpoints, strategy, cid, messages,
+                                           turn.max_tokens, s.stream)
+            except Exception as exc:  # a failed turn is a result, not a crash of the bench
+                results.append(TurnResult(
+                    session=s.id, turn=index, stream=s.stream, started_s=round(started, 3),
+                    error=f"{type(exc).__name__}: {exc}"[:300]))
+                advance(len(s.turns) - index + 1)
+                return len(s.turns) - index
+            usage = out["usage"]
+            cached = None
+            if usage is not None and getattr(usage, "prompt_tokens_details", None) is not None:
+                cached = usage.prompt_tokens_details.cached_tokens
+            reused_header = headers.get(p.HEADER_REUSED_TOKENS)
+            reused = int(reused_header) if reused_header is not None else (cached or 0)
+            prompt_ids = out["prompt_ids"] or []
+            result = TurnResult(
+                session=s.id, turn=index, stream=s.stream, started_s=round(started, 3),
+                ttft_s=None if out["ttft_s"] is None else round(out["ttft_s"], 4),
+                latency_s=round(out["latency_s"], 4),
+                prompt_tokens=len(prompt_ids) or (usage.prompt_tokens if usage else 0),
+                output_tokens=len(out["output_ids"]),
+                reused_tokens=min(reused, len(prompt_ids) or reused),
+                router_outcome=headers.get(p.HEADER_REUSE),
+                output_digest=_ids_digest(out["output_ids"]),
+                gap_kind=turn.gap_kind, gap_s=turn.gap_s,
+            )
+            classify(result, built, prompt_ids, block_size=endpoints.block_size,
+                     threshold=endpoints.recompute_threshold)
+            results.append(result)
+            advance(1)
+            built = prompt_ids + out["output_ids"]
+            messages.append({"role": "assistant", "content": out["text"]})
+            gap = turn.gap_s / compress
+            if turn.gap_kind == "tool" and session is not None:
+                async with session.tool_call(turn.tool or "tool"):
+                    await asyncio.sleep(gap)
+            elif gap > 0:
+                await asyncio.sleep(gap)
+        return 0
+    finally:
+        if session is not None:
+            await session.aclose()
+        await http.aclose()
+
+
+async def replay(
+    scenario: Scenario,
+    endpoints: Endpoints,
+    strategy: Strategy,
+    *,
+    compress: float,
+    run_id: str,
+    sample_every_s: float = 0.5,
+    drain_cap_s: float = 60.0,
+    timeout_s: float = 900.0,
+    advance: Callable[[int], None] = lambda n: None,
+) -> ReplayResult:
+    """Run every session of ``scenario`` against ``endpoints``; see the module docstring."""
+    out = ReplayResult()
+    async with httpx.AsyncClient(trust_env=False, timeout=30.0) as probe:
+        for url in endpoints.kv_urls:
+            out.kv_capacity_tokens[url] = await _kv_capacity(probe, url)
+        sampler = _Sampler(endpoints.kv_urls, out.kv_capacity_tokens, sample_every_s)
+        baseline = await sampler.sample(probe)
+        stop = asyncio.Event()
+        sampling = asyncio.create_task(sampler.run(probe, stop))
+        t0 = sampler.t0
+        try:
+            not_run = await asyncio.gather(*(
+                _session(s, scenario, endpoints, strategy, compress, run_id, t0, out.turns,
+                         advance, timeout_s)
+                for s in scenario.sessions
+            ))
+            out.not_run = sum(not_run)
+            out.wall_s = time.monotonic() - t0
+            # Held KV after the last turn counts too (a fixed TTL's tail): wait until it is
+            # gone, or the cap.
+            drain_start = time.monotonic()
+            while time.monotonic() - drain_start < drain_cap_s:
+                await asyncio.sleep(sample_every_s)
+                if sampler.samples and sampler.samples[-1].tokens <= baseline:
+                    break
+            out.drain_s = time.monotonic() - drain_start
+        finally:
+            stop.set()
+            await sampling
+        out.kv = sampler.samples
+    out.turns.sort(key=lambda t: (t.session, t.turn))
+    return out

@@ -1,0 +1,310 @@
+"""Scenario files: the agent sessions `kvtether bench` replays, generated or read.
+
+A scenario is JSON (``kvtether_scenario: 1``): one system prompt (instructions and the tool
+schemas, the prefix every session shares) and sessions; each session is a list of turns. A turn
+appends messages to the history (the task, a tool's result, the person's next message), asks the
+model for at most ``max_tokens`` tokens, and is followed by a gap: a tool running, a person
+thinking, or the end. The model's own answers are appended as they come, as an agent does.
+
+Times in a scenario are workload seconds (what the agent would see in production); the replay
+divides every duration and TTL by one time-compression factor.
+
+Two sources:
+
+* :func:`generate_scenario`: seeded; tool durations and result sizes, output lengths, human
+  think time and user message sizes from :mod:`kvtether.bench.workload` (the distributions in
+  ``shared/notes/agent-workloads.md``), token counts scaled so the longest session ends near
+  ``context_tokens``. Rare long tools are rare in a short run: ``long_tools`` puts that many
+  tool calls from the far tail (``long_tool_s``) into the scenario, so it has gaps that outlive a
+  fixed TTL; the number is stored in the file.
+* :func:`load_scenario` also reads the conversation JSON of vLLM's ``benchmarks/multi_turn``
+  tools (a list of ``{"id", "messages": [{"role", "content"}]}``): user messages become turns,
+  each assistant message's word count becomes the turn's ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvtether.bench.workload import TOOLS, generate_sessions
+
+__all__ = [
+    "GapKind",
+    "Message",
+    "Scenario",
+    "ScenarioError",
+    "ScenarioSession",
+    "ScenarioTurn",
+    "generate_scenario",
+    "load_scenario",
+]
+
+SCENARIO_VERSION = 1
+GapKind = Literal["tool", "human", "end"]
+
+# Words that tokenizers mostly keep whole: about one token per word (plus its space).
+_VOCAB = (
+    "the a to of and in is it for on with as at by from this that file line test error value "
+    "function class module return import call result output input data list map key item "
+    "read write open close path name type size count index start end next time step plan "
+    "check update build run pass fail log trace stack cache token lease block decode prefill "
+    "router request response model agent tool user system message turn session history"
+).split()
+
+
+class ScenarioError(ValueError):
+    """A scenario file that cannot be read; the message says what and where."""
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class ScenarioTurn(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    append: list[Message] = Field(min_length=1, description="messages added before the call")
+    max_tokens: int = Field(ge=1, description="output cap of the model call")
+    gap_s: float = Field(default=0.0, ge=0, description="workload seconds until the next turn")
+    gap_kind: GapKind = "end"
+    tool: str | None = Field(default=None, description="the tool that runs during the gap")
+
+
+class ScenarioSession(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    id: str = Field(min_length=1, max_length=200)
+    start_s: float = Field(default=0.0, ge=0, description="workload seconds after the run starts")
+    stream: bool = True
+    turns: list[ScenarioTurn] = Field(min_length=1)
+
+
+class Scenario(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kvtether_scenario: Literal[1] = SCENARIO_VERSION
+    name: str
+    source: dict[str, Any] = Field(default_factory=dict, description="how it was made")
+    system_prompt: str
+    sessions: list[ScenarioSession] = Field(min_length=1)
+
+    # --- facts about it ------------------------------------------------------------------
+    @property
+    def turns(self) -> int:
+        return sum(len(s.turns) for s in self.sessions)
+
+    def gaps(self, kind: GapKind) -> list[float]:
+        return [t.gap_s for s in self.sessions for t in s.turns if t.gap_kind == kind]
+
+    def summary(self, fixed_ttl_s: float | None = None) -> dict[str, Any]:
+        tools, humans = self.gaps("tool"), self.gaps("human")
+        out: dict[str, Any] = {
+            "sessions": len(self.sessions),
+            "turns": self.turns,
+            "streamed_sessions": sum(s.stream for s in self.sessions),
+            "tool_gaps": len(tools),
+            "human_gaps": len(humans),
+            "longest_tool_s": round(max(tools, default=0.0), 1),
+            "longest_human_s": round(max(humans, default=0.0), 1),
+        }
+        if fixed_ttl_s is not None:
+            out["gaps_longer_than_fixed_ttl"] = sum(g > fixed_ttl_s for g in tools + humans)
+        return out
+
+    # --- files ---------------------------------------------------------------------------
+    def save(self, path: Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.model_dump_json(indent=1) + "\n")
+
+
+def load_scenario(path: Path, *, think_s: float = 60.0, max_tokens_cap: int = 256) -> Scenario:
+    """A kvtether scenario file, or vLLM ``benchmarks/multi_turn`` conversations.
+
+    For vLLM's format, which has no timing, every gap between turns is ``think_s`` workload
+    seconds of a person thinking, and ``max_tokens`` is the assistant message's word count
+    (at most ``max_tokens_cap``).
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ScenarioError(f"scenario file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ScenarioError(f"cannot read scenario file {path}: {exc}") from None
+    if isinstance(data, dict) and "kvtether_scenario" in data:
+        try:
+            return Scenario.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(x) for x in first["loc"])
+            raise ScenarioError(f"{path}: {where}: {first['msg']}") from None
+    if isinstance(data, list):
+        return _from_vllm_multi_turn(data, path, think_s, max_tokens_cap)
+    raise ScenarioError(
+        f"{path} is neither a kvtether scenario (an object with \"kvtether_scenario\": 1) nor "
+        "vLLM multi-turn conversations (a list of {\"id\", \"messages\"})"
+    )
+
+
+def _from_vllm_multi_turn(
+    data: list[Any], path: Path, think_s: float, max_tokens_cap: int
+) -> Scenario:
+    sessions: list[ScenarioSession] = []
+    system = ""
+    for n, item in enumerate(data):
+        if not isinstance(item, dict) or not isinstance(item.get("messages"), list):
+            raise ScenarioError(f"{path}: conversation {n} has no \"messages\" list")
+        cid = str(item.get("id") or f"conv-{n}")
+        turns: list[ScenarioTurn] = []
+        pending: list[Message] = []
+        for m, msg in enumerate(item["messages"]):
+            if not isinstance(msg, dict) or not isinstance(msg.get("content"), str):
+                raise ScenarioError(f"{path}: conversation {cid!r} message {m} has no content")
+            role = msg.get("role")
+            if role == "system" and not turns and not pending:
+                system = system or msg["content"]
+            elif role == "user":
+                pending.append(Message(role="user", content=msg["content"]))
+            elif role == "assistant":
+                if not pending:
+                    continue  # an answer to nothing: the replay gets the model's own answers
+                words = max(1, len(msg["content"].split()))
+                turns.append(ScenarioTurn(append=pending, max_tokens=min(words, max_tokens_cap),
+                                          gap_s=think_s, gap_kind="human"))
+                pending = []
+            else:
+                raise ScenarioError(
+                    f"{path}: conversation {cid!r} message {m} has role {role!r} "
+                    "(expected system, user or assistant)"
+                )
+        if pending:
+            turns.append(ScenarioTurn(append=pending, max_tokens=min(64, max_tokens_cap)))
+        if not turns:
+            continue
+        last = turns[-1].model_copy(update={"gap_s": 0.0, "gap_kind": "end"})
+        sessions.append(ScenarioSession(id=cid, turns=[*turns[:-1], last]))
+    if not sessions:
+        raise ScenarioError(f"{path}: no conversation with a user message")
+    return Scenario(
+        name=path.stem,
+        source={"format": "vllm-multi-turn", "file": path.name, "think_s": think_s},
+        system_prompt=system or "You are a helpful assistant.",
+        sessions=sessions,
+    )
+
+
+# --- the generator -------------------------------------------------------------------------
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_VOCAB) for _ in range(max(1, words)))
+
+
+def _system_prompt(rng: random.Random, tokens: int) -> str:
+    """Instructions plus the tool schemas, as an agent framework renders them."""
+    schemas = [
+        {"type": "function", "function": {
+            "name": t.name, "description": f"{t.name.replace('_', ' ')}: {_text(rng, 12)}",
+            "parameters": {"type": "object", "properties": {t.arg_name: {"type": "string"}},
+                           "required": [t.arg_name]}}}
+        for t in TOOLS
+    ]
+    head = "You are a coding agent. Call tools to inspect and change the repository. Tools:\n"
+    body = json.dumps(schemas, separators=(",", ":"))
+    words = max(0, tokens - len(body) // 3 - 20)
+    return f"{head}{body}\nGuidelines: {_text(rng, words)}"
+
+
+def generate_scenario(
+    sessions: int = 8,
+    *,
+    seed: int = 0,
+    turns: tuple[int, int] = (4, 8),
+    context_tokens: int = 2048,
+    system_tokens: int = 600,
+    max_output_tokens: int = 128,
+    long_tools: int = 2,
+    long_tool_s: tuple[float, float] = (540.0, 900.0),
+    max_gap_s: float = 900.0,
+    stream_fraction: float = 0.5,
+    arrival_s: float = 20.0,
+    name: str | None = None,
+) -> Scenario:
+    """``sessions`` seeded agent sessions, each ending at 75-100% of ``context_tokens``.
+
+    Shapes come from :func:`kvtether.bench.workload.generate_sessions` (tool mix, durations,
+    result sizes, output lengths, person turns and think times); each session's token counts
+    are scaled by one factor so it fits (its shape kept), gaps are capped at ``max_gap_s``, ``long_tools`` tool gaps are drawn
+    from ``long_tool_s`` instead (the tail a short run would otherwise miss), sessions arrive
+    ``arrival_s`` apart on average (exponential) and ``stream_fraction`` of them stream.
+    """
+    if sessions < 1 or not (1 <= turns[0] <= turns[1]):
+        raise ValueError("need sessions >= 1 and 1 <= turns[0] <= turns[1]")
+    if context_tokens <= system_tokens + 64:
+        raise ValueError("context_tokens must leave room after the system prompt")
+    rng = random.Random(seed)
+    shapes = generate_sessions(sessions, seed=seed, steps=turns)
+
+    def growth(shape: Any) -> float:
+        """Tokens a session adds after the system prompt, its last answer included."""
+        steps = shape.steps
+        return steps[-1].prompt_tokens - steps[0].prompt_tokens + steps[-1].output_tokens
+
+    out: list[dict[str, Any]] = []
+    scales: list[float] = []
+    start = 0.0
+    tool_slots: list[tuple[int, int]] = []
+    for i, shape in enumerate(shapes):
+        srng = random.Random(f"{seed}-{i}")
+        # Each session ends between 75% and 100% of the context: its own shape (which steps
+        # grow it most), one scale. The task message takes 15% of what follows the system prompt.
+        room = (context_tokens - system_tokens - 32) * srng.uniform(0.75, 1.0)
+        first_user = max(8, round(room * 0.15))
+        scale = (room - first_user) / max(growth(shape), 1.0)
+        scales.append(scale)
+        scenario_turns: list[dict[str, Any]] = []
+        append = [Message(role="user", content="Task: " + _text(srng, first_user))]
+        for k, step in enumerate(shape.steps):
+            max_tokens = max(4, min(max_output_tokens, round(step.output_tokens * scale)))
+            turn: dict[str, Any] = {"append": append, "max_tokens": max_tokens,
+                                    "gap_s": min(step.gap_s, max_gap_s), "gap_kind": step.action}
+            if step.action == "end":
+                turn["gap_s"] = 0.0
+            words = max(4, round(step.appended_tokens * scale))
+            if step.action == "tool":
+                turn["tool"] = step.tool_name
+                tool_slots.append((i, k))
+                args = json.dumps(step.tool_args)
+                append = [Message(role="user",
+                                  content=f"Result of {step.tool_name}({args}):\n"
+                                  + _text(srng, words))]
+            elif step.action == "user":
+                turn["gap_kind"] = "human"
+                append = [Message(role="user", content=_text(srng, words))]
+            scenario_turns.append(turn)
+        out.append({"id": f"s{i:03d}", "start_s": round(start, 3),
+                    "stream": rng.random() < stream_fraction, "turns": scenario_turns})
+        start += rng.expovariate(1.0 / arrival_s) if arrival_s > 0 else 0.0
+    # The tail: a few tool calls run long (pytest suites, builds), spread over sessions.
+    for i, k in rng.sample(tool_slots, min(long_tools, len(tool_slots))):
+        out[i]["turns"][k]["gap_s"] = rng.uniform(*long_tool_s)
+    for session in out:
+        for turn in session["turns"]:
+            turn["gap_s"] = round(turn["gap_s"], 3)
+    return Scenario(
+        name=name or f"agents-{sessions}x{turns[0]}-{turns[1]}-seed{seed}",
+        source={
+            "generator": "kvtether.bench.scenario.generate_scenario",
+            "seed": seed, "sessions": sessions, "turns": list(turns),
+            "context_tokens": context_tokens, "system_tokens": system_tokens,
+            "max_output_tokens": max_output_tokens, "long_tools": long_tools,
+            "long_tool_s": list(long_tool_s), "max_gap_s": max_gap_s,
+            "stream_fraction": stream_fraction, "arrival_s": arrival_s,
+            "token_scale": [round(min(scales), 4), round(max(scales), 4)],
+        },
+        system_prompt=_system_prompt(random.Random(seed), system_tokens),
+        sessions=[ScenarioSession.model_validate(s) for s in out],
+    )

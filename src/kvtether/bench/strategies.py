@@ -1,0 +1,161 @@
+"""The four deployments `kvtether bench` compares, each started the same way on this host.
+
+* ``colocated`` — one vLLM with its prefix cache (vLLM's default): the simple deployment, and
+  the greedy reference every other strategy's outputs are compared with.
+* ``pd-oneway`` — P/D with vLLM's NixlConnector, no bidirectional transfer: every turn's
+  prefill recomputes (router ``reuse_policy=off``).
+* ``pd-upstream`` — P/D bidirectional as vLLM 0.32 ships it: NixlConnector with
+  ``bidirectional_kv_xfer``, a fixed ``decoder_kv_blocks_ttl``, decode chosen round-robin, the
+  conversation id in the body, no handle on streamed turns, no prefix check (router
+  ``reuse_policy=upstream``, a faithful mode, not a crippled kvtether).
+* ``kvtether`` — the kvtether connector and router (affinity, leases renewed by heartbeats while
+  tools run, released at the end, prediction hints, prefix check, budget), driven through the
+  kvtether session layer.
+
+The P/D strategies run one prefill and one decode instance (``--prefill``/``--decode`` of the
+stack apply), with the prefill prefix cache as the bench options say.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["Endpoints", "STRATEGIES", "Strategy", "StrategyOptions", "start_strategy"]
+
+# vLLM's decoder_kv_blocks_ttl and kvtether's lease defaults, in workload seconds; the replay
+# divides them by the time-compression factor with every other duration.
+FIXED_TTL_S = 480.0
+LEASE_TTL_S = 60.0
+MAX_LEASE_S = 900.0
+# What no factor can scale: vLLM's prefill refuses a handle within 5 s of its expiry
+# (pull_worker._KV_BLOCKS_EXPIRY_SAFETY_MARGIN), and kvtether's router keeps a 6 s margin over
+# that (lease_safety_margin_s). kvtether's scaled leases are floored here so they are usable.
+MIN_LEASE_S = 12.0
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    description: str
+    colocated: bool = False
+    reuse_policy: Literal["kvtether", "upstream", "off"] = "kvtether"
+    client: Literal["plain", "kvtether"] = "plain"
+    body_conversation_id: bool = False  # the field vLLM's multi-turn benchmark sends
+
+
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy("colocated", "one vLLM, prefix caching on", colocated=True),
+        Strategy("pd-oneway", "P/D, prefill recomputes every turn", reuse_policy="off"),
+        Strategy(
+            "pd-upstream",
+            "P/D bidirectional as vLLM ships it: fixed TTL, round-robin decode, "
+            "no handle on streamed turns, no prefix check",
+            reuse_policy="upstream",
+            body_conversation_id=True,
+        ),
+        Strategy(
+            "kvtether",
+            "kvtether router + connector + session layer: affinity, leases with heartbeats, "
+            "prediction, prefix check, budget",
+            client="kvtether",
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    profile: str
+    compress: float
+    port: int
+    state_dir: Path
+    prefill_prefix_caching: bool = False
+    prefill: int = 1
+    decode: int = 1
+    max_retained_tokens: int | None = None
+    health_timeout_s: float = 900.0
+    extra: dict[str, Any] = field(default_factory=dict)  # more StackSettings fields
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where the replay sends turns, and what it watches."""
+
+    openai_base_url: str  # .../v1
+    router_url: str | None
+    kv_urls: list[str]  # instances whose held KV is sampled (decode; the colocated one)
+    served_model_name: str
+    block_size: int
+    recompute_threshold: int
+
+
+def stack_settings(strategy: Strategy, opts: StrategyOptions) -> Any:
+    """The :class:`~kvtether.stack.settings.StackSettings` a P/D strategy runs with."""
+    from kvtether.stack.settings import StackSettings
+
+    c = opts.compress
+    values: dict[str, Any] = dict(
+        profile=opts.profile, state_dir=opts.state_dir / strategy.name,
+        port=opts.port, base_port=opts.port + 100, side_channel_base_port=opts.port - 2400,
+        control_base_port=opts.port + 200, prefill=opts.prefill, decode=opts.decode,
+        health_timeout_s=opts.health_timeout_s,
+        reuse_policy=strategy.reuse_policy,
+        prefill_prefix_caching=opts.prefill_prefix_caching,
+        decoder_kv_blocks_ttl_s=FIXED_TTL_S / c,
+        lease_ttl_s=max(LEASE_TTL_S / c, MIN_LEASE_S),
+        max_retained_tokens=opts.max_retained_tokens,
+        **opts.extra,
+    )
+    if strategy.colocated:
+        values.pop("reuse_policy")
+        values.pop("prefill_prefix_caching")
+    return StackSettings(**values)
+
+
+def router_max_lease_s(opts: StrategyOptions) -> float:
+    return max(MAX_LEASE_S / opts.compress, MIN_LEASE_S)
+
+
+@contextmanager
+def start_strategy(strategy: Strategy, opts: StrategyOptions) -> Iterator[Endpoints]:
+    """Start what ``strategy`` deploys; stop every process on exit (errors and Ctrl-C too)."""
+    settings = stack_settings(strategy, opts)
+    if strategy.colocated:
+        from kvtether.stack._reference import start_reference_vllm
+        from kvtether.stack.settings import resolve_model
+
+        _, served = resolve_model(settings)
+        with start_reference_vllm(settings, port=opts.port + 100, prefix_caching=True) as url:
+            yield Endpoints(
+                openai_base_url=f"{url}/v1", router_url=None, kv_urls=[url],
+                served_model_name=served, block_size=settings.block_size_tokens,
+                recompute_threshold=settings.kv_recompute_threshold_tokens,
+            )
+        return
+    from kvtether.stack.launcher import Stack
+
+    # The router caps leases at max_lease_s, a router-only setting: scaled like every other
+    # duration, handed over in the router's environment (the stack passes its own on).
+    env_key = "KVTETHER_ROUTER_MAX_LEASE_S"
+    previous = os.environ.get(env_key)
+    os.environ[env_key] = str(router_max_lease_s(opts))
+    try:
+        with Stack(settings) as stack:
+            yield Endpoints(
+                openai_base_url=f"{stack.router_url}/v1", router_url=stack.router_url,
+                kv_urls=list(stack.decode_urls), served_model_name=stack.served_model_name,
+                block_size=settings.block_size_tokens,
+                recompute_threshold=settings.kv_recompute_threshold_tokens,
+            )
+    finally:
+        if previous is None:
+            os.environ.pop(env_key, None)
+        else:
+            os.environ[env_key] = previous

@@ -1,0 +1,213 @@
+"""`kvtether bench`: scenarios, per-turn outcomes, metrics and reports (no vLLM), and one small
+real run of all four strategies (the CI smoke test: it completes and its metrics agree)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtether.bench import compare, report
+from kvtether.bench.metrics import TurnResult, classify, mark_divergence, summarize
+from kvtether.bench.scenario import ScenarioError, generate_scenario, load_scenario
+
+
+# --- scenarios -------------------------------------------------------------------------------
+def test_generated_scenarios_are_seeded_and_shaped() -> None:
+    a = generate_scenario(6, seed=3, turns=(3, 6), context_tokens=1500, system_tokens=300)
+    b = generate_scenario(6, seed=3, turns=(3, 6), context_tokens=1500, system_tokens=300)
+    assert a == b and a != generate_scenario(6, seed=4, turns=(3, 6), context_tokens=1500,
+                                             system_tokens=300)
+    assert len(a.sessions) == 6 and all(3 <= len(s.turns) <= 6 for s in a.sessions)
+    for s in a.sessions:
+        assert s.turns[-1].gap_kind == "end" and s.turns[-1].gap_s == 0
+        assert all(t.gap_kind != "end" for t in s.turns[:-1])
+        words = len(a.system_prompt.split()) + sum(
+            len(m.content.split()) for t in s.turns for m in t.append)
+        assert words + sum(t.max_tokens for t in s.turns) < 1500 * 1.1
+    # The long-tool tail is in the file, and the summary counts gaps beyond a fixed TTL.
+    assert a.summary(480.0)["gaps_longer_than_fixed_ttl"] >= 2
+    assert a.source["long_tools"] == 2 and a.source["seed"] == 3
+
+
+def test_scenario_files_round_trip_and_bad_files_say_why(tmp_path: Path) -> None:
+    s = generate_scenario(2, seed=1, turns=(2, 3), context_tokens=800, system_tokens=200)
+    path = tmp_path / "s.json"
+    s.save(path)
+    assert load_scenario(path) == s
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"kvtether_scenario": 1, "name": "x", "system_prompt": "s",
+                               "sessions": [{"id": "a", "turns": []}]}))
+    with pytest.raises(ScenarioError, match=r"sessions\.0\.turns"):
+        load_scenario(bad)
+    bad.write_text("{not json")
+    with pytest.raises(ScenarioError, match="cannot read"):
+        load_scenario(bad)
+    bad.write_text('{"other": 1}')
+    with pytest.raises(ScenarioError, match="neither a kvtether scenario"):
+        load_scenario(bad)
+    with pytest.raises(ScenarioError, match="does not exist"):
+        load_scenario(tmp_path / "missing.json")
+
+
+def test_vllm_multi_turn_conversations_are_read(tmp_path: Path) -> None:
+    path = tmp_path / "conv.json"
+    path.write_text(json.dumps([
+        {"id": "c1", "messages": [
+            {"role": "user", "content": "hello there"},
+            {"role": "assistant", "content": "one two three four"},
+            {"role": "user", "content": "more"},
+            {"role": "assistant", "content": "five six"},
+        ]},
+        {"id": "c2", "messages": [{"role": "user", "content": "only a question"}]},
+    ]))
+    s = load_scenario(path, think_s=30)
+    assert [x.id for x in s.sessions] == ["c1", "c2"]
+    c1 = s.sessions[0].turns
+    assert [t.max_tokens for t in c1] == [4, 2]
+    assert (c1[0].gap_kind, c1[0].gap_s, c1[1].gap_kind) == ("human", 30, "end")
+    assert s.source["format"] == "vllm-multi-turn"
+    path.write_text(json.dumps([{"id": "c", "messages": [{"role": "robot", "content": "x"}]}]))
+    with pytest.raises(ScenarioError, match="role 'robot'"):
+        load_scenario(path)
+
+
+# --- outcomes and metrics -----------------------------------------------------------------------
+def _turn(turn: int, reused: int, **kw: object) -> TurnResult:
+    return TurnResult(session="s", turn=turn, stream=True, started_s=0.0,
+                      reused_tokens=reused, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("built", "prompt", "reused", "eligible", "fired"),
+    [
+        (None, list(range(100)), 0, False, False),  # first turn
+        (list(range(80)), list(range(100)), 64, True, True),  # a partial block recomputed
+        (list(range(80)), list(range(100)), 70, True, True),  # local cache + below threshold
+        (list(range(80)), list(range(100)), 0, True, False),  # lost: recomputed all 80
+        (list(range(80)), list(range(100)), 32, True, False),  # lost 48 > a block
+        ([1, 2, 3] + list(range(80)), list(range(100)), 0, False, False),  # rewritten history
+        (list(range(60)) + [999] * 20, list(range(100)), 32, True, True),  # break, salvaged
+        (list(range(10)), list(range(100)), 0, False, False),  # below the threshold
+    ],
+)
+def test_turn_outcomes_mean_what_a_user_thinks(
+    built: list[int] | None, prompt: list[int], reused: int, eligible: bool, fired: bool
+) -> None:
+    t = _turn(2, reused, prompt_tokens=len(prompt))
+    classify(t, built, prompt, block_size=32, threshold=16)
+    assert (t.eligible, t.fired) == (eligible, fired)
+
+
+def test_summary_counts_what_the_table_shows() -> None:
+    turns = [
+        _turn(1, 0, prompt_tokens=100, ttft_s=1.0, latency_s=2.0, output_digest="a"),
+        _turn(2, 96, prompt_tokens=150, ttft_s=0.2, latency_s=1.0, eligible=True, fired=True,
+              reusable_tokens=110, router_outcome="fired", output_digest="b"),
+        _turn(3, 0, prompt_tokens=200, ttft_s=1.5, latency_s=2.5, eligible=True,
+              reusable_tokens=160, router_outcome="miss:lease_expired", output_digest="c"),
+        _turn(4, 0, error="APIError: boom"),
+    ]
+    ref = [_turn(1, 0, output_digest="a"), _turn(2, 0, output_digest="b"),
+           _turn(3, 0, output_digest="X")]
+    mark_divergence(ref, turns)
+    m = summarize("kvtether", turns, [(0.0, 0.0), (1.0, 100.0), (3.0, 100.0)], wall_s=10.0,
+                  drain_s=1.0, compress=16.0, not_run=2)
+    assert (m.turns, m.failed_turns, m.not_run_turns) == (4, 1, 2)
+    assert (m.eligible_turns, m.fired_turns, m.reuse_rate) == (2, 1, 0.5)
+    assert m.ttft_turns == 2 and m.ttft_p50_s == pytest.approx(0.85)
+    assert m.recomputed_tokens == 100 + 54 + 200
+    assert m.recomputed_reusable_tokens == 14 + 160
+    assert (m.divergent_outputs, m.compared_outputs, m.router_fired_turns) == (1, 3, 1)
+    assert m.retained_kv_token_s == 250.0 and m.retained_kv_token_s_workload == 4000.0
+    assert m.turns_per_s == 0.3
+
+
+def _result(summary: dict[str, dict[str, object]]) -> dict[str, object]:
+    return {
+        "run": {"command": "kvtether bench", "scenario": {"name": "x"}, "profile": "cpu-tiny",
+                "compress": 16.0, "fixed_ttl_s": 480.0, "prefill_prefix_caching": False,
+                "host": "h", "date": "d", "scenario_summary": {"sessions": 1},
+                "reference": "colocated"},
+        "summary": summary,
+        "strategies": {name: {"turns": [], "kv": [[0, 0], [1, 5]]} for name in summary},
+    }
+
+
+def test_targets_and_markdown_report_what_was_measured(tmp_path: Path) -> None:
+    base = summarize("x", [], [], wall_s=1, drain_s=0, compress=16, not_run=0).as_dict()
+    summary = {
+        "colocated": {**base, "strategy": "colocated"},
+        "pd-oneway": {**base, "strategy": "pd-oneway", "ttft_p50_s": 6.0},
+        "pd-upstream": {**base, "strategy": "pd-upstream", "retained_kv_token_s": 1000.0},
+        "kvtether": {**base, "strategy": "kvtether", "ttft_p50_s": 1.5, "eligible_turns": 10,
+                     "fired_turns": 10, "reuse_rate": 1.0, "divergent_outputs": 0,
+                     "retained_kv_token_s": 300.0},
+    }
+    rows = {r["target"]: r for r in report.targets(summary)}
+    assert rows["reuse on eligible turns"]["met"] is True
+    assert rows["turn 2+ TTFT p50, pd-oneway / kvtether"]["measured"] == "4.00x"
+    assert rows["retained KV token-s vs fixed TTL (pd-upstream)"]["met"] is False
+    result = _result(summary)
+    md = report.render_markdown(result)  # type: ignore[arg-type]
+    assert "| kvtether | 10/10 (100%)" in md and "**no**" in md and "16x" in md
+    paths = report.write_results(result, tmp_path)  # type: ignore[arg-type]
+    paths += report.write_plots(result, tmp_path)  # type: ignore[arg-type]
+    assert {p.name for p in paths} == {"results.json", "results.md", "reuse_by_turn.png",
+                                       "ttft_cdf.png", "retained_kv.png"}
+
+
+def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    for argv, message in (
+        (["--compress", "0"], "--compress must be > 0"),
+        (["--sessions", "0"], "--sessions must be at least 1"),
+        (["--scenario", str(tmp_path / "none.json")], "does not exist"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            compare.main(argv)
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
+
+
+def test_generate_writes_a_scenario(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "s.json"
+    assert compare.generate_main(["--out", str(out), "--sessions", "3", "--seed", "5"]) == 0
+    assert len(load_scenario(out).sessions) == 3
+    assert "sessions 3" in capsys.readouterr().out
+
+
+# --- the real thing, small -------------------------------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.timeout(1800)
+def test_a_small_real_run_of_all_four_strategies(tmp_path: Path) -> None:
+    """The CI smoke test: every strategy replays the same small scenario on real vLLM."""
+    out = tmp_path / "out"
+    code = compare.main([
+        "--profile", "cpu-tiny", "--sessions", "2", "--turns", "3", "3", "--seed", "1",
+        "--context-tokens", "700", "--system-tokens", "200", "--max-output-tokens", "16",
+        "--long-tools", "1", "--compress", "60", "--stream-fraction", "0.5",
+        "--port", "8800", "--state-dir", str(tmp_path / "state"), "--out", str(out),
+    ])
+    assert code == 0
+    data = json.loads((out / "results.json").read_text())
+    s = data["summary"]
+    assert list(s) == ["colocated", "pd-oneway", "pd-upstream", "kvtether"]
+    for name, m in s.items():
+        assert m["turns"] == 6 and m["failed_turns"] == 0, name
+        assert m["eligible_turns"] >= 1 and m["ttft_turns"] >= 1, name
+        assert 0 <= m["fired_turns"] <= m["eligible_turns"] <= 4, name
+        turns = data["strategies"][name]["turns"]
+        assert m["recomputed_tokens"] == sum(t["prompt_tokens"] - t["reused_tokens"]
+                                             for t in turns)
+    # Reuse where the strategies say it should and should not happen.
+    assert s["pd-oneway"]["fired_turns"] == 0
+    assert s["kvtether"]["fired_turns"] == s["kvtether"]["eligible_turns"]
+    assert s["kvtether"]["divergent_outputs"] == 0
+    # The router's own label agrees with the bench's arithmetic for kvtether.
+    assert s["kvtether"]["router_fired_turns"] == s["kvtether"]["fired_turns"]
+    assert s["pd-upstream"]["retained_kv_token_s"] > 0
+    assert {p.name for p in out.iterdir()} >= {"results.json", "results.md", "scenario.json",
+                                               "reuse_by_turn.png", "ttft_cdf.png",
+                                               "retained_kv.png"}
+    assert not list((tmp_path / "state").glob("*/stack.json"))  # every stack stopped
