@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvtether import protocol as p
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["AgentRun", "main", "run_agent"]
@@ -179,10 +181,13 @@ def print_report(run: AgentRun, console: Any) -> None:
                       f"[{style}]{t.outcome}[/{style}]", ttft, nxt)
     console.print(table)
     fired = sum(t.outcome == "fired" for t in session.turns)
+    # Eligible: enough was reusable (the router's definition; misses of the others say why).
+    eligible = sum(t.outcome == "fired" or (t.outcome.startswith("miss:") and t.outcome[5:]
+                   not in {c.value for c in p.NOT_ELIGIBLE_CAUSES}) for t in session.turns)
     reused = sum(t.reused_tokens for t in session.turns)
     prompt = sum(t.prompt_tokens for t in session.turns)
     console.print(
-        f"reuse fired on {fired}/{len(session.turns)} turns; "
+        f"reuse fired on {fired}/{eligible} eligible turns ({len(session.turns)} in all); "
         f"{reused}/{prompt} prompt tokens were not recomputed."
     )
 

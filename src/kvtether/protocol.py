@@ -34,9 +34,11 @@ __all__ = [
     "HEADER_TURN",
     "HEADER_DECODE_INSTANCE",
     "HEADER_SALVAGED_TOKENS",
+    "HEADER_REUSABLE_TOKENS",
     "KVTETHER_BODY_FIELDS",
     "Phase",
     "MissCause",
+    "NOT_ELIGIBLE_CAUSES",
     "ReuseOutcome",
     "TurnHints",
     "HeartbeatRequest",
@@ -50,6 +52,7 @@ __all__ = [
     "parse_hints_header",
     "block_hashes",
     "matching_prefix_tokens",
+    "common_prefix_tokens",
     "tail_block_hash",
     "CONTROL_API_PREFIX",
     "KV_PARAM_HANDLE_KEY",
@@ -96,11 +99,16 @@ KVTETHER_BODY_FIELDS = (BODY_CONVERSATION_ID, BODY_HINTS)
 
 # --- response side ------------------------------------------------------------------------
 HEADER_REUSE = "X-KVTether-Reuse"  # "fired" or "miss:<cause>"
-HEADER_REUSED_TOKENS = "X-KVTether-Reused-Tokens"  # tokens read from decode-held KV
+HEADER_REUSED_TOKENS = "X-KVTether-Reused-Tokens"  # prompt tokens served from cached KV
+# Prompt tokens that repeat the sequence the conversation's previous finished turn built
+# (its prompt + output): the most this turn could have reused.
+HEADER_REUSABLE_TOKENS = "X-KVTether-Reusable-Tokens"
 HEADER_PROMPT_TOKENS = "X-KVTether-Prompt-Tokens"
 HEADER_TURN = "X-KVTether-Turn"  # 1-based turn index within the conversation
 HEADER_DECODE_INSTANCE = "X-KVTether-Decode-Instance"
-HEADER_SALVAGED_TOKENS = "X-KVTether-Salvaged-Tokens"  # with miss:prefix_break
+# Whenever the prompt diverged from decode's retained sequence: the whole-block prefix of
+# decode's KV that still matched and was offered to prefill.
+HEADER_SALVAGED_TOKENS = "X-KVTether-Salvaged-Tokens"
 
 MAX_CONVERSATION_ID_LEN = 256
 
@@ -115,18 +123,34 @@ class Phase(str, enum.Enum):
 
 
 class MissCause(str, enum.Enum):
-    """Why a turn did not read the conversation's decode-held KV."""
+    """Why a turn did not reuse what it could have.
 
-    FIRST_TURN = "first_turn"
+    A turn is *eligible* when at least ``kv_recompute_threshold_tokens`` (and at least one) of
+    its prompt tokens repeat the sequence its conversation's previous finished turn built
+    (``reusable_tokens``). An eligible turn *fires* when the tokens it recomputed of those,
+    ``reusable_tokens - reused_tokens``, are fewer than ``max(kv_recompute_threshold_tokens,
+    kv_block_size_tokens)`` (recomputing less than that is by design); otherwise it misses,
+    and the cause says how the KV was lost. The first four causes are the turns that are not
+    eligible (:data:`NOT_ELIGIBLE_CAUSES`).
+    """
+
+    FIRST_TURN = "first_turn"  # no earlier turn of the conversation finished
     NO_CONVERSATION_ID = "no_conversation_id"
-    BELOW_THRESHOLD = "below_threshold"
-    PREFIX_BREAK = "prefix_break"
+    BELOW_THRESHOLD = "below_threshold"  # the previous turn's sequence is too short to reuse
+    PREFIX_BREAK = "prefix_break"  # the prompt diverged before anything reusable
     LEASE_EXPIRED = "lease_expired"
     RELEASED = "released"
     EVICTED = "evicted"
     DECODE_UNAVAILABLE = "decode_unavailable"
-    TRANSFER_FAILED = "transfer_failed"
+    TRANSFER_FAILED = "transfer_failed"  # a handle went to prefill, and too little was read
     NOT_RETAINED = "not_retained"  # previous turn left no handle (e.g. aborted, or error)
+
+
+# Misses of turns that had nothing (or too little) to reuse: they are not eligible.
+NOT_ELIGIBLE_CAUSES = frozenset({
+    MissCause.FIRST_TURN, MissCause.NO_CONVERSATION_ID, MissCause.BELOW_THRESHOLD,
+    MissCause.PREFIX_BREAK,
+})
 
 
 class ReuseOutcome(BaseModel):
@@ -137,14 +161,23 @@ class ReuseOutcome(BaseModel):
     fired: bool
     cause: MissCause | None = None
     reused_tokens: int = 0
+    reusable_tokens: int = 0
 
     @classmethod
-    def hit(cls, reused_tokens: int) -> ReuseOutcome:
-        return cls(fired=True, reused_tokens=reused_tokens)
+    def hit(cls, reused_tokens: int, reusable_tokens: int = 0) -> ReuseOutcome:
+        return cls(fired=True, reused_tokens=reused_tokens, reusable_tokens=reusable_tokens)
 
     @classmethod
-    def miss(cls, cause: MissCause, reused_tokens: int = 0) -> ReuseOutcome:
-        return cls(fired=False, cause=cause, reused_tokens=reused_tokens)
+    def miss(
+        cls, cause: MissCause, reused_tokens: int = 0, reusable_tokens: int = 0
+    ) -> ReuseOutcome:
+        return cls(fired=False, cause=cause, reused_tokens=reused_tokens,
+                   reusable_tokens=reusable_tokens)
+
+    @property
+    def eligible(self) -> bool:
+        """The turn had enough to reuse (see :class:`MissCause`): fired or lost KV."""
+        return self.fired or self.cause not in NOT_ELIGIBLE_CAUSES
 
     @property
     def label(self) -> str:
@@ -158,16 +191,20 @@ def format_reuse_header(outcome: ReuseOutcome) -> str:
     return f"miss:{outcome.cause.value}"
 
 
-def parse_reuse_header(value: str | None, reused_tokens: str | None = None) -> ReuseOutcome | None:
-    """Parse ``X-KVTether-Reuse`` (and the reused-tokens header); ``None`` if absent or foreign."""
+def parse_reuse_header(
+    value: str | None, reused_tokens: str | None = None, reusable_tokens: str | None = None
+) -> ReuseOutcome | None:
+    """Parse ``X-KVTether-Reuse`` (and the reused / reusable tokens headers); ``None`` if
+    absent or foreign."""
     if not value:
         return None
     tokens = int(reused_tokens) if reused_tokens and reused_tokens.isdigit() else 0
+    reusable = int(reusable_tokens) if reusable_tokens and reusable_tokens.isdigit() else 0
     if value == "fired":
-        return ReuseOutcome.hit(tokens)
+        return ReuseOutcome.hit(tokens, reusable)
     if value.startswith("miss:"):
         try:
-            return ReuseOutcome.miss(MissCause(value[5:]), tokens)
+            return ReuseOutcome.miss(MissCause(value[5:]), tokens, reusable)
         except ValueError:
             return None
     return None
@@ -274,6 +311,7 @@ class TurnRecord(BaseModel):
     turn: int
     outcome: str  # header form: "fired" / "miss:<cause>"
     reused_tokens: int = 0
+    reusable_tokens: int = 0  # prompt tokens repeating the previous turn's sequence
     prompt_tokens: int = 0
     output_tokens: int = 0
     stream: bool = False
@@ -337,6 +375,18 @@ def matching_prefix_tokens(cached: Sequence[int], prompt: Sequence[int], block_s
     while i < n and cached[i] == prompt[i]:
         i += 1
     return (i // block_size) * block_size
+
+
+def common_prefix_tokens(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences (any int sequences)."""
+    n = min(len(a), len(b))
+    # Compare in chunks (C speed), then token by token inside the first differing chunk.
+    chunk, i = 1024, 0
+    while i + chunk <= n and list(a[i : i + chunk]) == list(b[i : i + chunk]):
+        i += chunk
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def tail_block_hash(token_ids: Sequence[int], block_size: int) -> str | None:

@@ -53,12 +53,13 @@ def test_reuse_fires_on_every_turn_across_a_tool_longer_than_the_lease(short_lea
     outcomes = [t.outcome for t in session.turns]
     assert outcomes[0].startswith("miss:") and outcomes[1:] == ["fired"] * 3, report
     assert all(t.reused_tokens > 0 for t in session.turns[1:]), report
+    assert all(t.reusable_tokens > 0 for t in session.turns[1:]), report
     assert [t.prefix_status for t in session.turns] == ["first"] + ["extends"] * 3, report
     assert [t.step for t in session.turns] == [1, 2, 3, 4]
     long_run = session.tool_runs[1]
     assert long_run.duration_s > short_lease.lease_ttl_s
     assert long_run.heartbeats >= 2 and long_run.heartbeat_failures == 0, session.events
-    assert "fired 3/4 turns" in report
+    assert "fired 3/3 eligible turns (100%), 4 in all" in report
 
     # close() (the with-block exit) released the KV at once.
     assert session.released

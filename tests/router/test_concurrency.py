@@ -28,9 +28,12 @@ async def test_same_conversation_turns_are_serialised(stream: bool) -> None:
         assert sorted([t1.headers[p.HEADER_TURN], t2.headers[p.HEADER_TURN]]) == ["2", "3"]
         by_turn = {t.headers[p.HEADER_TURN]: t for t in (t1, t2)}
         # The first one extends turn 1; the second repeats the same prompt, so only its
-        # whole matching blocks may be read.
+        # whole matching blocks may be read: all it could reuse, so it fired too.
         assert by_turn["2"].outcome == "fired"
-        assert by_turn["3"].outcome == "miss:prefix_break"
+        assert by_turn["3"].outcome == "fired"
+        salvaged = int(by_turn["3"].headers[p.HEADER_SALVAGED_TOKENS])
+        assert 0 < salvaged == by_turn["3"].reused
+        assert int(by_turn["3"].headers[p.HEADER_REUSABLE_TOKENS]) - salvaged < 16
         assert first.status == 200
         status = (await h.client.get("/v1/sessions/dup")).json()
         assert [t["turn"] for t in status["turns"]] == [1, 2, 3]

@@ -17,6 +17,10 @@ def last_retention(h: Harness) -> Retention:
     return h.cluster.retentions[(kvp["remote_engine_id"], kvp["remote_request_id"])]
 
 
+def reusable(t) -> int:  # noqa: ANN001
+    return int(t.headers[p.HEADER_REUSABLE_TOKENS])
+
+
 def expected_salvage(r: Retention, messages: list[dict]) -> int:
     held = r.seq[: r.num_tokens]
     return p.matching_prefix_tokens(held, render_chat(messages), BLOCK_SIZE)
@@ -59,9 +63,11 @@ async def test_dropped_message_forwards_truncated_handle(control: bool) -> None:
         assert salvage >= 2 * BLOCK_SIZE  # the system prompt and first exchange still match
         t = await h.chat(list(a.messages), "drop")
         assert t.status == 200
-        assert t.outcome == "miss:prefix_break"
+        # All the matching prefix was read: nothing reusable was lost, so reuse fired.
+        assert t.outcome == "fired"
         assert int(t.headers[p.HEADER_SALVAGED_TOKENS]) == salvage
         assert t.reused == salvage
+        assert 0 <= reusable(t) - salvage < BLOCK_SIZE
         fwd = h.p.prefill_handles[-1]
         k = salvage // BLOCK_SIZE
         assert fwd["remote_block_ids"] == [r.block_ids[:k]]
@@ -86,8 +92,9 @@ async def test_rewritten_last_answer_salvages_whole_blocks(h: Harness) -> None:
     a.messages.append({"role": "user", "content": "next"})
     salvage = expected_salvage(r, a.messages)
     t = await h.chat(list(a.messages), "edit")
-    assert t.outcome == "miss:prefix_break"
+    assert t.outcome == "fired"  # the whole-block prefix before the edit was read
     assert int(t.headers[p.HEADER_SALVAGED_TOKENS]) == salvage > 0
+    assert t.reused == salvage and 0 <= reusable(t) - salvage < BLOCK_SIZE
     assert salvage % BLOCK_SIZE == 0
     assert h.p.prefill_handles[-1]["remote_num_tokens"] == salvage
     h.assert_kv_correct()
@@ -100,7 +107,7 @@ async def test_retry_of_the_same_turn_reads_only_matching_blocks(h: Harness) -> 
     retry = a.messages[:-1]  # the same request as the last turn
     t = await h.chat(copy.deepcopy(retry), "retry")
     assert t.status == 200
-    assert t.outcome == "miss:prefix_break"
+    assert t.outcome == "fired"  # everything the retry repeats, but its last block
     salvage = expected_salvage(r, retry)
     assert int(t.headers[p.HEADER_SALVAGED_TOKENS]) == salvage
     assert h.p.prefill_handles[-1]["remote_num_tokens"] == salvage < len(render_chat(retry))

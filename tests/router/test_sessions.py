@@ -110,7 +110,7 @@ async def test_heartbeat_without_control_channel_capped_by_vllm_ttl() -> None:
 
 
 async def test_delete_releases(hx: Harness) -> None:
-    await two_turns(hx)
+    a = await two_turns(hx)
     held = hx.d.held_leases()
     r = await hx.client.delete("/v1/sessions/sess")
     assert r.status_code == 200
@@ -125,8 +125,9 @@ async def test_delete_releases(hx: Harness) -> None:
     assert hb.status_code == 410 and hb.json()["error"]["code"] == "lease_released"
     # DELETE is idempotent.
     assert (await hx.client.delete("/v1/sessions/sess")).status_code == 200
-    t = await hx.chat([{"role": "user", "content": "again"}], "sess")
+    t = await a.say("again")
     assert t.outcome == "miss:released"
+    assert int(t.headers[p.HEADER_REUSABLE_TOKENS]) > t.reused == 0
     assert hx.p.prefill_handles[-1] is None
     hx.assert_kv_correct()
 

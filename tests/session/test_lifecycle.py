@@ -127,4 +127,4 @@ def test_report_shows_each_turn_and_the_totals(
     assert session.conversation_id in lines[0] and lines[1].split()[:2] == ["turn", "outcome"]
     assert lines[2].split()[:2] == ["1", "miss:first_turn"] and "grep" in lines[2]
     assert lines[3].split()[:2] == ["2", "fired"] and lines[3].endswith("extends")
-    assert lines[4].startswith("fired 1/2 turns (50%)")
+    assert lines[4].startswith("fired 1/1 eligible turns (100%), 2 in all")

@@ -79,6 +79,7 @@ def test_the_router_command_line_round_trips_every_forwarded_value() -> None:
         "lease_ttl_s": 7,
         "max_retained_tokens": 1,
         "block_size_tokens": 1,
+        "reuse_policy": "upstream",
     }
     assert set(chosen) == set(FORWARDED)  # a new forwarded setting needs a value here
     settings = StackSettings(**chosen)  # type: ignore[arg-type]

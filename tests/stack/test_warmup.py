@@ -12,6 +12,8 @@ from kvtether.stack._warmup import warm_up
 
 
 def _router(outcomes: list[str], seen: list[tuple[str, str, dict]]) -> httpx.MockTransport:
+    """Turn i has a 10*i-token prompt; "fired" reads 100 tokens, "fired:local" only 5 (what
+    prefill's own prefix cache held: it proves no read of decode's KV)."""
     script = iter(outcomes)
 
     def handle(request: httpx.Request) -> httpx.Response:
@@ -22,8 +24,12 @@ def _router(outcomes: list[str], seen: list[tuple[str, str, dict]]) -> httpx.Moc
         outcome = next(script)
         if outcome == "503":
             return httpx.Response(503, json={"error": {"message": "down"}})
+        reused = {"fired": 100, "fired:local": 5}.get(outcome, 0)
+        turn = sum(1 for m, _, _ in seen if m == "POST")
         return httpx.Response(
-            200, headers={"X-KVTether-Reuse": outcome},
+            200, headers={"X-KVTether-Reuse": outcome.split(":local")[0],
+                          "X-KVTether-Reused-Tokens": str(reused),
+                          "X-KVTether-Prompt-Tokens": str(10 * turn)},
             json={"choices": [{"message": {"role": "assistant", "content": "ok"}}]},
         )
 
@@ -38,6 +44,14 @@ def test_stops_at_the_first_fired_turn_and_releases_the_session() -> None:
     posts = [b for m, _, b in seen if m == "POST"]
     assert [len(b["messages"]) for b in posts] == [1, 3, 5]  # each turn extends the last one
     assert seen[-1][0] == "DELETE" and seen[-1][1].startswith("/v1/sessions/kvtether-warmup-")
+
+
+def test_a_turn_served_from_prefill_cache_alone_does_not_count() -> None:
+    seen: list[tuple[str, str, dict]] = []
+    report = warm_up("http://router", "tiny", transport=_router(
+        ["miss:first_turn", "fired:local", "fired", "fired"], seen))
+    assert report.fired and report.outcomes == ["miss:first_turn", "fired", "fired"]
+    assert [b["max_tokens"] for m, _, b in seen if m == "POST"] == [24] * 3
 
 
 def test_gives_up_after_max_turns() -> None:

@@ -14,6 +14,7 @@ __all__ = ["RouterHTTPError", "UpstreamError", "error_response"]
 _TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
+    409: "conflict_error",
     410: "gone_error",
     413: "invalid_request_error",
     422: "invalid_request_error",

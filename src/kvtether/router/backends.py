@@ -85,6 +85,7 @@ class BackendPool:
         self.prefill = make("prefill", settings.prefill_urls, settings.prefill_control_urls)
         self.decode = make("decode", settings.decode_urls, settings.decode_control_urls)
         self._rr = 0
+        self._decode_rr = 0
 
     @property
     def all(self) -> list[Backend]:
@@ -119,6 +120,14 @@ class BackendPool:
             [b for b in self.decode if b.name not in exclude],
             key=lambda b: (b.retained_tokens, b.inflight),
         )
+
+    def next_decode(self, exclude: set[str] = frozenset()) -> Backend | None:  # type: ignore[assignment]
+        """Round-robin over reachable decode instances, no affinity (vLLM's example proxy)."""
+        live = [b for b in self.decode if b.name not in exclude and b.available]
+        if not live:
+            return self.pick_decode(None, exclude)
+        self._decode_rr += 1
+        return live[(self._decode_rr - 1) % len(live)]
 
     async def check_health(self) -> dict[str, bool]:
         async def one(b: Backend) -> tuple[str, bool]:

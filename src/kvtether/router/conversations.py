@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +47,9 @@ class Conversation:
     # Why there is no retained KV right now (released, evicted, expired...), for the next turn.
     gone_cause: MissCause | None = None
     turns: list[TurnRecord] = field(default_factory=list)
+    # The token sequence (prompt + output) the last finished turn built, kept after its KV is
+    # gone: what the next turn could have reused. One sequence, 4 bytes a token.
+    last_token_ids: array | None = field(default=None, repr=False)
     last_active_unix_s: float = field(default_factory=time.time)
     # Latest client hints (turn hints or heartbeats), used to value the lease.
     phase: Phase | None = None
@@ -55,6 +59,15 @@ class Conversation:
     @property
     def next_turn(self) -> int:
         return len(self.turns) + 1
+
+    def remember_sequence(self, token_ids: list[int]) -> None:
+        """Keep what a finished turn built (replacing the previous turn's)."""
+        if not token_ids:
+            return
+        try:
+            self.last_token_ids = array("I", token_ids)
+        except OverflowError:  # not a vocabulary index; keep it anyway
+            self.last_token_ids = array("q", token_ids)
 
     def lease_state(self, now_unix_s: float) -> str:
         if self.retained is not None:

@@ -118,9 +118,12 @@ async def prefill(
 
 async def open_decode(
     pool: BackendPool, preferred: str | None, endpoint: str, body: dict[str, Any],
-    request_id: str,
+    request_id: str, *, round_robin: bool = False,
 ) -> tuple[Backend, httpx.Response]:
     """Send the decode leg, to the conversation's instance when it is reachable.
+
+    ``round_robin``: ignore ``preferred`` and take the next instance in turn (the reuse
+    policies that emulate vLLM's example proxy).
 
     An instance that refuses the connection is skipped for the next one: P keeps this
     turn's KV for a while, so any decode instance can still read it. The answer is returned
@@ -128,7 +131,8 @@ async def open_decode(
     """
     tried: set[str] = set()
     while True:
-        decode = pool.pick_decode(preferred, exclude=tried)
+        decode = (pool.next_decode(tried) if round_robin
+                  else pool.pick_decode(preferred, exclude=tried))
         if decode is None:
             raise RouterHTTPError(503, "no decode instance is reachable; retry shortly",
                                   code="upstream_unavailable")

@@ -17,13 +17,23 @@ class RouterMetrics:
             "kvtether_turns", "Turns routed, by reuse outcome", ["outcome"], registry=r
         )
         self.reuse_fired = Counter(
-            "kvtether_reuse_fired", "Turns that read the conversation's retained KV", registry=r
+            "kvtether_reuse_fired", "Eligible turns that reused all they could (within a block or the threshold)", registry=r
+        )
+        self.reuse_eligible = Counter(
+            "kvtether_reuse_eligible",
+            "Turns with at least kv_recompute_threshold_tokens reusable (fired or lost KV)",
+            registry=r,
+        )
+        self.reusable_tokens = Counter(
+            "kvtether_reusable_tokens",
+            "Prompt tokens repeating the previous turn's sequence (the most reuse could save)",
+            registry=r,
         )
         self.reuse_miss = Counter(
-            "kvtether_reuse_miss", "Turns that did not, by cause", ["cause"], registry=r
+            "kvtether_reuse_miss", "Turns that did not fire, by cause (eligible or not)", ["cause"], registry=r
         )
         self.reused_tokens = Counter(
-            "kvtether_reused_tokens", "Prompt tokens not recomputed thanks to reuse", registry=r
+            "kvtether_reused_tokens", "Prompt tokens not recomputed (prefill's prefix cache or decode-held KV)", registry=r
         )
         self.prompt_tokens = Counter("kvtether_prompt_tokens", "Prompt tokens routed", registry=r)
         self.errors = Counter(

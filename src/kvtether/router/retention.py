@@ -112,7 +112,13 @@ class Retention:
         await self.release(conv, p.MissCause.LEASE_EXPIRED)
 
     async def reap_expired(self, now_unix_s: float | None = None) -> None:
-        """Free every lease past its deadline, except those of a turn in flight."""
+        """Free every lease past its deadline, except those of a turn in flight.
+
+        Not under the upstream reuse policy: vLLM's proxy forgets nothing, and P itself
+        declines an expired handle.
+        """
+        if self.s.reuse_policy == "upstream":
+            return
         now = self.deps.clock.now_unix_s() if now_unix_s is None else now_unix_s
         for conv in self.deps.store.values():
             r = conv.retained

@@ -1,22 +1,33 @@
-"""Deciding, before a turn's prefill, what of the conversation's retained KV may be read.
+"""Deciding, before a turn's prefill, what of the conversation's retained KV may be read; and
+reporting, after it, what the turn reused of what it could have.
 
 The rule that keeps KV correct: a handle is forwarded only over the tokens that the new prompt
 repeats exactly. If the prompt extends everything D holds, the handle goes as is; otherwise it
 is cut to the whole blocks of the matching prefix (vLLM's worker aligns D's block ids from the
 end, so a handle must never cover more than the prompt repeats).
+
+The outcome (:func:`reuse_outcome`) is an observation, the same for every reuse policy: the
+definitions are in :class:`kvtether.protocol.MissCause`.
 """
 
 from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtether.protocol import MissCause, matching_prefix_tokens, truncate_handle
+from kvtether.protocol import (
+    MissCause,
+    ReuseOutcome,
+    common_prefix_tokens,
+    matching_prefix_tokens,
+    truncate_handle,
+)
 from kvtether.router.conversations import Conversation, RetainedKV
 
-__all__ = ["ReusePlan", "plan_reuse", "truncate_handle"]
+__all__ = ["ReusePlan", "plan_reuse", "plan_upstream", "reuse_outcome", "truncate_handle"]
 
 
 @dataclass(frozen=True)
@@ -65,3 +76,68 @@ def plan_reuse(
     if handle is None:  # a hybrid model's handle: read whole or not at all
         return ReusePlan(None, 0, MissCause.PREFIX_BREAK, salvaged_tokens=0)
     return ReusePlan(handle, match, MissCause.PREFIX_BREAK, salvaged_tokens=match)
+
+
+def plan_upstream(conv: Conversation) -> ReusePlan:
+    """vLLM's example proxy: the conversation's last handle goes to P as is.
+
+    No prefix check, no truncation, no deadline check: P declines a handle near its expiry
+    and recomputes (``kv_load_failure_policy: recompute``), and reads whatever the handle
+    covers (wrong KV on a rewritten history, which is what this policy measures).
+    """
+    retained = conv.retained
+    if retained is None:
+        cause = conv.gone_cause or (
+            MissCause.FIRST_TURN if not conv.turns else MissCause.NOT_RETAINED
+        )
+        return ReusePlan(None, 0, cause)
+    return ReusePlan(copy.deepcopy(retained.params), retained.retained_tokens, None)
+
+
+def reuse_outcome(
+    plan: ReusePlan,
+    prompt_token_ids: Sequence[int],
+    cached_tokens: int,
+    previous_token_ids: Sequence[int] | None,
+    *,
+    conversation: bool,
+    decode_lost: bool,
+    block_size: int,
+    recompute_threshold_tokens: int,
+) -> ReuseOutcome:
+    """What the turn reused of what it could have (definitions: ``protocol.MissCause``).
+
+    ``previous_token_ids``: what the conversation's last finished turn built (prompt +
+    output), whether or not its KV still exists. ``cached_tokens``: what P reported as not
+    computed (its own prefix cache plus what it read from D; a failed read shows as fewer).
+    ``decode_lost``: the conversation's decode instance was unreachable for the decode leg.
+
+    Where the router itself declined to offer anything although enough matched (fewer than
+    the threshold in whole blocks of D's KV matched, or D held fewer than the threshold, or
+    the prompt could not be checked), the loss is by design and the plan's cause
+    (``prefix_break`` / ``below_threshold``) says so: such a turn is not eligible.
+    """
+    reused = max(0, min(cached_tokens, len(prompt_token_ids)))
+    reusable = 0
+    if previous_token_ids:
+        reusable = common_prefix_tokens(previous_token_ids, prompt_token_ids)
+    if not conversation:
+        return ReuseOutcome.miss(MissCause.NO_CONVERSATION_ID, reused, reusable)
+    if previous_token_ids is None:
+        # No earlier turn finished: there is nothing this turn could reuse.
+        return ReuseOutcome.miss(MissCause.FIRST_TURN, reused, 0)
+    if reusable < max(recompute_threshold_tokens, 1):
+        diverged = reusable < min(len(previous_token_ids), len(prompt_token_ids))
+        cause = MissCause.PREFIX_BREAK if diverged else MissCause.BELOW_THRESHOLD
+        return ReuseOutcome.miss(cause, reused, reusable)
+    lost = max(0, reusable - reused)
+    if lost < max(recompute_threshold_tokens, block_size):
+        return ReuseOutcome.hit(reused, reusable)
+    # Eligible, and KV was lost: say how.
+    if plan.handle is None:
+        cause = plan.cause or MissCause.NOT_RETAINED
+    elif decode_lost:
+        cause = MissCause.DECODE_UNAVAILABLE
+    else:
+        cause = MissCause.TRANSFER_FAILED
+    return ReuseOutcome.miss(cause, reused, reusable)

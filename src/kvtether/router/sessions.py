@@ -48,8 +48,18 @@ class SessionAPI:
         status = self._conv(request).status(self.clock.now_unix_s())
         return JSONResponse(status.model_dump(mode="json"))
 
+    def _require_leases(self, conv: Conversation, what: str) -> None:
+        if self.s.reuse_policy != "kvtether":
+            raise RouterHTTPError(
+                409, f"cannot {what} session {conv.conversation_id!r}: this router runs reuse "
+                     f"policy '{self.s.reuse_policy}', which keeps no leases (decode holds KV "
+                     "under vLLM's own TTL, or not at all); use reuse_policy 'kvtether'",
+                code="no_leases",
+            )
+
     async def delete(self, request: Request) -> Response:
         conv = self._conv(request)
+        self._require_leases(conv, "release")
         freed = await self.retention.release_by_client(conv)
         return JSONResponse(
             {"conversation_id": conv.conversation_id, "released": True,
@@ -59,6 +69,7 @@ class SessionAPI:
     async def heartbeat(self, request: Request) -> Response:
         t0 = time.perf_counter()
         conv = self._conv(request)
+        self._require_leases(conv, "renew the lease of")
         raw = await request.body()
         try:
             hb = p.HeartbeatRequest.model_validate(json.loads(raw) if raw.strip() else {})

@@ -8,16 +8,26 @@ value the stack accepts is a value the router accepts.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["BackendSpec", "KVBlockSizeTokens", "RetentionSettings", "RouterSettings"]
+__all__ = [
+    "BackendSpec", "KVBlockSizeTokens", "RetentionSettings", "ReusePolicy", "RouterSettings",
+]
 
 # The stack calls it ``block_size_tokens`` (it is vLLM's --block-size), the router
 # ``kv_block_size_tokens``: both public names, one rule.
 KVBlockSizeTokens = Annotated[int, Field(ge=1)]
+
+# How the router reuses a conversation's decode-held KV (README, "Reuse policies"):
+# * kvtether: decode affinity, prefix-checked (maybe truncated) handles, leases, releases,
+#   a retained-token budget, handles of streamed turns fetched from the kvtether connector.
+# * upstream: what vLLM 0.32 ships for bidirectional P/D (its example proxy with
+#   NixlConnector): round-robin decode, the last non-streamed turn's handle forwarded as is.
+# * off: one-way P/D, nothing forwarded, nothing retained.
+ReusePolicy = Literal["kvtether", "upstream", "off"]
 
 
 class BackendSpec(BaseModel):
@@ -53,6 +63,12 @@ class RetentionSettings(BaseModel):
     max_retained_tokens: int | None = Field(
         default=None, ge=1,
         description="cap on retained KV tokens per decode instance (null: no cap)",
+    )
+    reuse_policy: ReusePolicy = Field(
+        default="kvtether",
+        description="'kvtether' (affinity, prefix check, leases), 'upstream' (vLLM 0.32's own "
+        "bidirectional P/D: round-robin decode, last non-streamed handle forwarded unchecked) "
+        "or 'off' (one-way P/D: no KV reuse across turns)",
     )
 
 

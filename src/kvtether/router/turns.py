@@ -1,7 +1,9 @@
 """One turn through the P/D pair: reuse plan → prefill leg → decode leg → remember D's handle.
 
 The runner decides; the legs (:mod:`.legs`), the answer's relay (:mod:`.relay`) and what is
-retained on D (:mod:`.retention`) are done by their own modules.
+retained on D (:mod:`.retention`) are done by their own modules. How a turn reuses KV depends
+on the reuse policy (``RouterSettings.reuse_policy``); how its outcome is reported does not
+(:func:`reuse_outcome`).
 """
 
 from __future__ import annotations
@@ -22,18 +24,11 @@ from kvtether.router.backends import Backend
 from kvtether.router.conversations import Conversation, RetainedKV
 from kvtether.router.relay import TurnContext, relay_once, relay_stream
 from kvtether.router.retention import Retention
-from kvtether.router.reuse import ReusePlan, plan_reuse
+from kvtether.router.reuse import ReusePlan, plan_reuse, plan_upstream, reuse_outcome
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["TurnRequest", "TurnRunner"]
-
-# What the connector's pull outcomes on P mean for the turn (absent: reuse fired).
-_PULL_MISS = {
-    p.PullOutcome.BELOW_THRESHOLD.value: p.MissCause.BELOW_THRESHOLD,
-    p.PullOutcome.NO_MATCH.value: p.MissCause.PREFIX_BREAK,
-    p.PullOutcome.FAILED.value: p.MissCause.TRANSFER_FAILED,
-}
 
 
 @dataclass
@@ -85,6 +80,7 @@ class TurnRunner:
 
         plan = await self._plan(req, conv, prefill)
         had_retained = conv is not None and conv.retained is not None
+        previous = conv.last_token_ids if conv is not None else None
         taken: RetainedKV | None = None
         if conv is not None and conv.retained is not None:
             if plan.handle is None:
@@ -102,28 +98,36 @@ class TurnRunner:
                 self.retention.restore(conv, taken)
             raise
         self.deps.metrics.prefill_leg_s.observe(leg.leg_s)
-        outcome = self._outcome(plan, leg)
 
-        handle_key = uuid.uuid4().hex
+        kvtether = self.s.reuse_policy == "kvtether"
+        handle_key = uuid.uuid4().hex if kvtether else None
         body = dict(req.body)
         body["return_token_ids"] = True
-        body["kv_transfer_params"] = {
-            **leg.params,
-            p.KV_PARAM_HANDLE_KEY: handle_key,
-            p.KV_PARAM_LEASE_TTL_S: self._initial_lease_s(req.hints),
-        }
-        preferred = conv.decode_instance if conv else None
+        body["kv_transfer_params"] = dict(leg.params)
+        if handle_key is not None:
+            # Only the kvtether connector reads these: the lease D holds this turn's KV under.
+            body["kv_transfer_params"].update({
+                p.KV_PARAM_HANDLE_KEY: handle_key,
+                p.KV_PARAM_LEASE_TTL_S: self._initial_lease_s(req.hints),
+            })
+        preferred = conv.decode_instance if conv is not None and kvtether else None
         decode, upstream = await legs.open_decode(
-            self.pool, preferred, req.endpoint, body, req.request_id
+            self.pool, preferred, req.endpoint, body, req.request_id, round_robin=not kvtether
         )
         if conv is not None:
             conv.decode_instance = decode.name
-        if had_retained and preferred not in (None, decode.name):
-            outcome = p.ReuseOutcome.miss(p.MissCause.DECODE_UNAVAILABLE, outcome.reused_tokens)
+        outcome = reuse_outcome(
+            plan, leg.prompt_token_ids, leg.cached_tokens, previous,
+            conversation=conv is not None,
+            decode_lost=had_retained and preferred not in (None, decode.name),
+            block_size=self.s.kv_block_size_tokens,
+            recompute_threshold_tokens=self.s.kv_recompute_threshold_tokens,
+        )
         record = p.TurnRecord(
             turn=conv.next_turn if conv else 1,
             outcome=outcome.label,
             reused_tokens=outcome.reused_tokens,
+            reusable_tokens=outcome.reusable_tokens,
             prompt_tokens=len(leg.prompt_token_ids),
             stream=req.stream,
             prefill_instance=prefill.name,
@@ -144,11 +148,15 @@ class TurnRunner:
         async def settle(ctx: TurnContext, handle: dict[str, Any] | None) -> None:
             await self._settle(ctx, handle, req.hints)
 
+        async def no_handle() -> None:
+            # vLLM 0.32 returns no handle on a streamed answer, and the upstream proxy has no
+            # other way to get one.
+            return None
+
         if req.stream:
-            return relay_stream(
-                ctx, settle, lambda: self.deps.leases.fetch_handle(decode, ctx.handle_key),
-                self.deps.clock, self.deps.metrics,
-            )
+            fetch = ((lambda: self.deps.leases.fetch_handle(decode, ctx.handle_key))
+                     if kvtether else no_handle)
+            return relay_stream(ctx, settle, fetch, self.deps.clock, self.deps.metrics)
         return await relay_once(ctx, settle, self.deps.clock)
 
     # ---------------------------------------------------------------- planning
@@ -157,6 +165,10 @@ class TurnRunner:
     ) -> ReusePlan:
         if conv is None:
             return ReusePlan(None, 0, p.MissCause.NO_CONVERSATION_ID)
+        if self.s.reuse_policy == "off":
+            return ReusePlan(None, 0, conv.gone_cause or p.MissCause.NOT_RETAINED)
+        if self.s.reuse_policy == "upstream":
+            return plan_upstream(conv)
         prompt_ids = None
         if conv.retained is not None:
             holder = self.pool.by_name(conv.retained.decode_instance)
@@ -179,21 +191,6 @@ class TurnRunner:
             now_unix_s=self.deps.clock.now_unix_s(),
         )
 
-    def _outcome(self, plan: ReusePlan, leg: legs.PrefillResult) -> p.ReuseOutcome:
-        """Reuse outcome of the turn, from the plan and what the prefill instance reported."""
-        reused = min(leg.cached_tokens, len(leg.prompt_token_ids))
-        if plan.cause is not None:
-            return p.ReuseOutcome.miss(plan.cause, reused)
-        if leg.pull is not None:
-            # The kvtether connector on P says exactly what happened to the handle.
-            cause = _PULL_MISS.get(leg.pull)
-            return p.ReuseOutcome.hit(reused) if cause is None else p.ReuseOutcome.miss(cause, reused)
-        # Upstream connector: P recomputes silently when a read fails (policy "recompute"),
-        # which shows as fewer cached tokens than the handle covered.
-        if reused + self.s.kv_block_size_tokens <= plan.expected_reused_tokens:
-            return p.ReuseOutcome.miss(p.MissCause.TRANSFER_FAILED, reused)
-        return p.ReuseOutcome.hit(reused)
-
     def _initial_lease_s(self, h: p.TurnHints | None) -> float:
         """The first lease on a turn's KV: the default, or longer if the next turn is late."""
         ttl = self.s.lease_ttl_s
@@ -213,10 +210,24 @@ class TurnRunner:
             await self.deps.leases.release(decode, ctx.handle_key)
             return
         conv.turns.append(ctx.record)
+        conv.remember_sequence(ctx.prompt_ids + ctx.output_ids)
         conv.last_active_unix_s = self.deps.clock.now_unix_s()
         if hints is not None:
             conv.phase = hints.phase
             conv.expected_next_prompt_tokens = hints.next_prompt_tokens
+        if self.s.reuse_policy == "off":
+            conv.gone_cause = p.MissCause.NOT_RETAINED
+            return
+        if self.s.reuse_policy == "upstream":
+            # vLLM's proxy keeps the handle of a non-streamed answer for the next turn, under
+            # vLLM's own TTL; no lease, no release, no budget.
+            if _valid_handle(handle):
+                assert handle is not None
+                self.retention.retain(conv, decode, handle, ctx.prompt_ids + ctx.output_ids,
+                                      None, self.s.decoder_kv_blocks_ttl_s)
+            else:
+                conv.gone_cause = p.MissCause.NOT_RETAINED
+            return
         if not _valid_handle(handle):
             conv.gone_cause = p.MissCause.NOT_RETAINED
             if handle:
@@ -250,6 +261,7 @@ class TurnRunner:
             p.HEADER_DECODE_INSTANCE: record.decode_instance or "",
             "X-Request-Id": req.request_id,
         }
+        h[p.HEADER_REUSABLE_TOKENS] = str(record.reusable_tokens)
         if plan.cause == p.MissCause.PREFIX_BREAK:
             h[p.HEADER_SALVAGED_TOKENS] = str(plan.salvaged_tokens)
         if req.conversation_id:
@@ -259,6 +271,9 @@ class TurnRunner:
     def _count(self, outcome: p.ReuseOutcome, record: p.TurnRecord) -> None:
         m = self.deps.metrics
         m.turns.labels(outcome.label).inc()
+        if outcome.eligible:
+            m.reuse_eligible.inc()
+        m.reusable_tokens.inc(outcome.reusable_tokens)
         if outcome.fired:
             m.reuse_fired.inc()
         else:

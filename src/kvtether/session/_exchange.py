@@ -17,6 +17,7 @@ from typing import Any, Literal
 from kvtether.protocol import (
     HEADER_DECODE_INSTANCE,
     HEADER_PROMPT_TOKENS,
+    HEADER_REUSABLE_TOKENS,
     HEADER_REUSE,
     HEADER_REUSED_TOKENS,
     HEADER_TURN,
@@ -230,7 +231,9 @@ class Exchange:
     def to_turn(self) -> Turn:
         """The record of this request, from the router's headers and the body's usage."""
         h = self.headers
-        reuse = parse_reuse_header(h.get(HEADER_REUSE), h.get(HEADER_REUSED_TOKENS))
+        reuse = parse_reuse_header(
+            h.get(HEADER_REUSE), h.get(HEADER_REUSED_TOKENS), h.get(HEADER_REUSABLE_TOKENS)
+        )
         usage = self.usage or {}
         ok = self.error is None and self.status_code is not None and self.status_code < 400
         return Turn(
@@ -241,6 +244,7 @@ class Exchange:
             outcome=(reuse.label if reuse else "unknown") if ok else "error",
             reuse=reuse,
             reused_tokens=reuse.reused_tokens if reuse else 0,
+            reusable_tokens=reuse.reusable_tokens if reuse else 0,
             prompt_tokens=int(usage.get("prompt_tokens") or _int(h.get(HEADER_PROMPT_TOKENS)) or 0),
             output_tokens=int(usage.get("completion_tokens") or 0),
             ttft_s=self.first_token_s,

@@ -1,8 +1,8 @@
 """Lease heartbeats while a tool runs: a daemon thread for sync code, a task for async code.
 
 A heartbeat must never hurt the tool it accompanies: failures are logged once, counted, and
-retried with exponential backoff; a 404 or 410 stops the beats quietly (nothing left to keep);
-stopping never waits for more than one in-flight request.
+retried with exponential backoff; a 404, 409 (a router policy without leases) or 410 stops the
+beats quietly (nothing left to keep); stopping never waits for more than one in-flight request.
 """
 
 from __future__ import annotations
@@ -81,6 +81,10 @@ class HeartbeatPlan:
             return None
         if status_code == 410:
             state.lose_lease(EventKind.KV_GONE, "KV released, evicted or expired", kv_gone=True)
+            return None
+        if status_code == 409:
+            # The router's reuse policy keeps no leases (upstream, off): nothing to renew.
+            state.lose_lease(EventKind.LEASE_NOT_FOUND, "router keeps no leases", kv_gone=False)
             return None
         if 400 <= status_code < 500 and status_code != 429:
             detail = content[:200].decode(errors="replace")

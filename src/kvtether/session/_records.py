@@ -63,6 +63,8 @@ class Turn:
     outcome: str = "unknown"  # "fired", "miss:<cause>", "unknown" (no router header), "error"
     reuse: ReuseOutcome | None = None
     reused_tokens: int = 0
+    # Prompt tokens repeating what the previous turn built (X-KVTether-Reusable-Tokens).
+    reusable_tokens: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
     ttft_s: float | None = None
@@ -88,6 +90,12 @@ class Turn:
     @property
     def fired(self) -> bool:
         return self.outcome == "fired"
+
+    @property
+    def eligible(self) -> bool:
+        """Enough was reusable for reuse to matter: the turn fired or lost KV (the router's
+        definition, ``kvtether.protocol.MissCause``)."""
+        return self.reuse is not None and self.reuse.eligible and self.outcome != "error"
 
 
 class EventKind(str, enum.Enum):

@@ -14,6 +14,7 @@ _COLUMNS = (
     ("turn", 4),
     ("outcome", -22),
     ("reused", 7),
+    ("reusable", 8),
     ("prompt", 7),
     ("output", 6),
     ("ttft_s", 7),
@@ -42,6 +43,7 @@ def _row(t: Turn) -> list[object]:
         t.turn,
         outcome,
         t.reused_tokens,
+        t.reusable_tokens,
         t.prompt_tokens,
         t.output_tokens,
         _seconds(t.ttft_s),
@@ -65,14 +67,15 @@ def format_report(
         cells = zip(_row(t), _COLUMNS, strict=True)
         lines.append("  ".join(_cell(v, w) for v, (_, w) in cells).rstrip())
     fired = sum(t.fired for t in turns)
+    eligible = sum(t.eligible for t in turns)
     reused = sum(t.reused_tokens for t in turns)
     prompt = sum(t.prompt_tokens for t in turns)
     tool_s = sum(t.tool_time_s for t in turns)
     share = f" ({reused / prompt:.0%})" if prompt else ""
-    rate = f" ({fired / len(turns):.0%})" if turns else ""
+    rate = f" ({fired / eligible:.0%})" if eligible else ""
     lines.append(
-        f"fired {fired}/{len(turns)} turns{rate} · reused {reused:,} of {prompt:,} prompt "
-        f"tokens{share} · tool time {tool_s:.1f} s"
+        f"fired {fired}/{eligible} eligible turns{rate}, {len(turns)} in all · reused "
+        f"{reused:,} of {prompt:,} prompt tokens{share} · tool time {tool_s:.1f} s"
     )
     errors = [
         abs(t.predicted_prompt_tokens - t.prompt_tokens) / t.prompt_tokens

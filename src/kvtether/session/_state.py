@@ -151,7 +151,8 @@ class SessionState:
 
     def release_answered(self, status_code: int | None, detail: str) -> None:
         """Record the outcome of a release attempt (``status_code`` None: no answer)."""
-        if status_code in (200, 204, 404, 410):
+        # 409: the router's reuse policy keeps no leases, so there is nothing to release.
+        if status_code in (200, 204, 404, 409, 410):
             with self._lock:
                 self._lease.released, self._lease.has_lease = True, False
                 self._record_locked(EventKind.RELEASED, detail, None)

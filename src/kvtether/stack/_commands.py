@@ -42,6 +42,9 @@ class InstancePlan:
     control_port: int | None = None
     gpu_id: int | None = None
     gpu_memory_utilization: float | None = None  # this instance's share of its GPU
+    # The reference only: vLLM's prefix caching on (a simple colocated deployment) or off
+    # (the correctness reference).
+    prefix_caching: bool = False
     prefill_urls: tuple[str, ...] = ()
     decode_urls: tuple[str, ...] = ()
     prefill_control_urls: tuple[str, ...] = ()
@@ -67,7 +70,8 @@ class CommandBuilder(Protocol):
 def kv_transfer_config(plan: InstancePlan, settings: StackSettings) -> dict[str, Any]:
     """vLLM ``--kv-transfer-config`` for a P/D instance (both roles run ``kv_both``)."""
     extra: dict[str, Any] = {
-        "bidirectional_kv_xfer": True,
+        # reuse_policy off is one-way P/D: decode frees a turn's KV as soon as it finishes.
+        "bidirectional_kv_xfer": settings.reuse_policy != "off",
         "kv_recompute_threshold": settings.kv_recompute_threshold_tokens,
         "decoder_kv_blocks_ttl": _number(settings.decoder_kv_blocks_ttl_s),
     }
@@ -157,9 +161,15 @@ class VllmCommands:
             index = 0 if plan.role == "reference" else plan.port - settings.base_port
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(index % cores)
         if plan.role == "reference":
-            # The correctness reference: one colocated engine, no transfer, no prefix cache.
-            argv.append("--no-enable-prefix-caching")
+            # One colocated engine, no transfer: the correctness reference (no prefix cache)
+            # or the simple colocated deployment (prefix cache). Either reports its cache hits
+            # in usage.prompt_tokens_details.cached_tokens.
+            if not plan.prefix_caching:
+                argv.append("--no-enable-prefix-caching")
+            argv.append("--enable-prompt-tokens-details")
         else:
+            if plan.role == "prefill" and not settings.prefill_prefix_caching:
+                argv.append("--no-enable-prefix-caching")
             config = kv_transfer_config(plan, settings)
             argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
             if settings.connector == "kvtether" and settings.idle_sleep:

@@ -1,4 +1,5 @@
-"""The correctness reference: one colocated vLLM, no KV transfer, prefix caching off."""
+"""One colocated vLLM, no KV transfer: the correctness reference (prefix caching off) or, for
+benchmarks, the simple colocated deployment (prefix caching on)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,15 @@ def start_reference_vllm(
     *,
     commands: CommandBuilder | None = None,
     log_path: Path | None = None,
+    prefix_caching: bool = False,
 ) -> Iterator[str]:
-    """One colocated vLLM with prefix caching off: the correctness reference. Yields its URL."""
+    """One colocated vLLM; yields its URL.
+
+    ``prefix_caching`` False (the default): the correctness reference, every prompt computed.
+    True: the simple colocated deployment, vLLM's prefix cache on. Both run with
+    ``--enable-prompt-tokens-details``, so ``usage.prompt_tokens_details.cached_tokens``
+    reports cache hits.
+    """
     settings = settings or StackSettings()
     model_dir, served = resolve_model(settings)
     port = port or _procs.free_port(settings.host)
@@ -37,6 +45,7 @@ def start_reference_vllm(
         log_path=log_path or Path(settings.state_dir) / "logs" / f"reference-{port}.log",
         model_dir=model_dir,
         served_model_name=served,
+        prefix_caching=prefix_caching,
     )
     cmd = (commands or VllmCommands()).command(plan, settings)
     popen = _procs.spawn(cmd.argv, cmd.env, plan.log_path)

@@ -4,8 +4,11 @@ Each direction of a P/D pair handshakes on its first transfer: decode reads from
 conversation's first turn, prefill reads decode-held KV on the next. vLLM 0.32 waits 5 s for a
 handshake reply (hard-coded); a busy CPU instance can miss that, and the turn then recomputes
 (``miss:transfer_failed``). So ``stack up`` runs short throw-away conversations through the
-router until a turn reports ``fired``, which proves both directions work, before it says the
-stack is ready. Best effort: a failure is logged, never fatal.
+router until a turn reports ``fired`` with more reused tokens than the previous turn's whole
+prompt (only a read of decode's KV gives that: prefill's own cache holds at most that prompt),
+which proves both directions work, before it says the stack is ready. With reuse policy
+``off`` one turn (prefill → decode) is all there is to open. Best effort: a failure is logged,
+never fatal.
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ class WarmUpReport:
     outcomes: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
+    pulled: bool = False  # a turn read decode-held KV
+
     @property
     def fired(self) -> bool:
-        return "fired" in self.outcomes
+        return self.pulled
 
 
 def warm_up(
@@ -41,10 +46,13 @@ def warm_up(
     *,
     conversations: int = 1,
     max_turns: int = 4,
+    max_tokens: int = 24,
     timeout_s: float = 300.0,
     transport: httpx.BaseTransport | None = None,
 ) -> WarmUpReport:
-    """Run ``conversations`` short conversations; each stops at its first ``fired`` turn."""
+    """Run ``conversations`` short conversations; each stops at its first turn that read
+    decode-held KV. ``max_tokens`` per answer: enough new tokens that prefill reads them
+    (above ``kv_recompute_threshold_tokens``) rather than recompute them."""
     report = WarmUpReport()
     t0 = time.monotonic()
     with httpx.Client(base_url=router_url, timeout=timeout_s, trust_env=False,
@@ -53,7 +61,7 @@ def warm_up(
             report.conversations += 1
             cid = f"kvtether-warmup-{uuid.uuid4().hex[:8]}"
             try:
-                _converse(client, model, cid, max_turns, report)
+                _converse(client, model, cid, max_turns, max_tokens, report)
             except (httpx.HTTPError, KeyError, ValueError) as exc:
                 logger.warning("warm-up conversation %s failed: %s", cid, exc)
             finally:
@@ -65,17 +73,26 @@ def warm_up(
     return report
 
 
-def _converse(client: httpx.Client, model: str, cid: str, max_turns: int,
+def _converse(client: httpx.Client, model: str, cid: str, max_turns: int, max_tokens: int,
               report: WarmUpReport) -> None:
     messages = [{"role": "user", "content": _USER}]
+    previous_prompt_tokens: int | None = None
     for _ in range(max_turns):
         r = client.post("/v1/chat/completions", headers={p.HEADER_CONVERSATION_ID: cid},
-                        json={"model": model, "messages": messages, "max_tokens": 4,
+                        json={"model": model, "messages": messages, "max_tokens": max_tokens,
                               "temperature": 0})
         r.raise_for_status()
         outcome = r.headers.get(p.HEADER_REUSE, "")
         report.outcomes.append(outcome)
-        if outcome == "fired":
+        reused = _int(r.headers.get(p.HEADER_REUSED_TOKENS))
+        if (outcome == "fired" and previous_prompt_tokens is not None
+                and reused > previous_prompt_tokens):
+            report.pulled = True
             return
+        previous_prompt_tokens = _int(r.headers.get(p.HEADER_PROMPT_TOKENS))
         messages += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
                      {"role": "user", "content": "ok thanks, go on"}]
+
+
+def _int(value: str | None) -> int:
+    return int(value) if value and value.isdigit() else 0

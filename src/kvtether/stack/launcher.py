@@ -246,11 +246,17 @@ class Stack:
 
     def _warm_up(self, served: str) -> None:
         s = self.settings
+        one_way = s.reuse_policy == "off"
         report = warm_up(self.router_url, served, conversations=s.prefill * s.decode,
+                         max_turns=1 if one_way else 4,
+                         max_tokens=s.kv_recompute_threshold_tokens + s.block_size_tokens,
                          timeout_s=s.health_timeout_s)
         self.warm_up_report = report
         outcomes = ", ".join(report.outcomes) or "no turn answered"
-        if report.fired:
+        if one_way:
+            logger.info("warm-up: %d turn(s) in %.1f s, reuse policy off (%s)",
+                        len(report.outcomes), report.seconds, outcomes)
+        elif report.fired:
             logger.info("warm-up: KV reuse fired after %.1f s (%s)", report.seconds, outcomes)
         else:
             logger.warning("warm-up: no turn reused KV in %.1f s (%s); first turns may "

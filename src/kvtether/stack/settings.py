@@ -141,7 +141,15 @@ class StackSettings(RetentionSettings, StackSettingsBase):
     connector: ConnectorKind = Field(
         default="kvtether",
         description="'kvtether' (leases, control channel, streamed handles) or 'nixl' "
-        "(upstream NixlConnector: fixed decoder_kv_blocks_ttl, no streamed reuse)",
+        "(upstream NixlConnector: fixed decoder_kv_blocks_ttl, no streamed reuse); "
+        "reuse_policy upstream or off always runs 'nixl' (default: 'kvtether' for "
+        "reuse_policy kvtether, else 'nixl')",
+    )
+    prefill_prefix_caching: bool = Field(
+        default=True,
+        description="prefill instances keep vLLM's prefix cache; false gives them "
+        "--no-enable-prefix-caching (a prefill pool whose cache does not hold the "
+        "conversation: many instances, or churn). Decode instances are unchanged",
     )
 
     health_timeout_s: float = Field(default=300.0, gt=0, description="wait this long for /health")
@@ -167,7 +175,20 @@ class StackSettings(RetentionSettings, StackSettingsBase):
         for name, value in profile_defaults(self.profile).items():
             if name not in self.model_fields_set:
                 self.__dict__[name] = value
+        self._resolve_connector()
         return self
+
+    def _resolve_connector(self) -> None:
+        """The baselines run what vLLM ships: reuse_policy upstream / off → connector nixl."""
+        if self.reuse_policy == "kvtether":
+            return
+        if "connector" in self.model_fields_set and self.connector == "kvtether":
+            raise ConfigError(
+                f"reuse_policy {self.reuse_policy!r} runs vLLM's own NixlConnector (it is the "
+                "baseline kvtether is compared with); drop --connector kvtether, or use "
+                "--reuse-policy kvtether"
+            )
+        self.__dict__["connector"] = "nixl"
 
     # --- derived values ------------------------------------------------------------------
     @property
