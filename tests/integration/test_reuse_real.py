@@ -115,13 +115,14 @@ def test_a_remainder_below_the_threshold_after_a_local_hit_fired(pd_stack, refer
     words = "please read the files and run the tests then tell me".split()
     rng = random.Random(uuid.uuid4().int)
     msgs = None
-    for _ in range(200):  # a prompt whose last partial block is short: 2..bs-4 tokens
+    small = min(bs, 16) - 4  # below vLLM's kv_recompute_threshold (16) with the answer token
+    for _ in range(200):  # a prompt whose last partial block is short: 2..small tokens
         user = " ".join(rng.choice(words) for _ in range(rng.randint(12, 40)))
         candidate = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
         r = httpx.post(f"{pd_stack.prefill_urls[0]}/tokenize", timeout=60, json={
             "model": pd_stack.model, "messages": candidate, "add_generation_prompt": True})
         n = len(r.json()["tokens"])
-        if 2 <= n % bs <= bs - 4:
+        if 2 <= n % bs <= small:
             msgs, prompt1 = candidate, n
             break
     assert msgs is not None
@@ -139,7 +140,7 @@ def test_a_remainder_below_the_threshold_after_a_local_hit_fired(pd_stack, refer
     assert h["x-kvtether-reuse"] == "fired", h
     assert reused >= (prompt1 // bs) * bs, h  # at least prefill's own cache of turn 1
     assert prompt1 <= reusable <= prompt1 + len(ids1), h
-    assert 0 < reusable - reused < bs, h  # a few tokens recomputed, by design
+    assert 0 < reusable - reused <= small + 1, h  # a few tokens recomputed, by design
     _release(pd_stack, cid)
 
 
