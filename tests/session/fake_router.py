@@ -27,6 +27,7 @@ from kvtether.protocol import (
     HEADER_PROMPT_TOKENS,
     HEADER_REUSE,
     HEADER_REUSED_TOKENS,
+    HEADER_REUSABLE_TOKENS,
     HEADER_TURN,
     HeartbeatRequest,
     HeartbeatResponse,
@@ -100,6 +101,7 @@ def build_app(router: FakeRouter) -> Starlette:
             reuse, reused = ("miss:released" if conv.state == "released" else "miss:evicted"), 0
         else:
             reuse, reused = "fired", min(conv.held_tokens, prompt - 1)
+        reusable = min(conv.held_tokens, prompt) if cid and conv.turns else 0
         reply = router.replies.popleft() if router.replies else {"content": f"ok {conv.turns}"}
         output = max(1, len(json.dumps(reply)) // 4)
         conv.turns += 1
@@ -109,6 +111,7 @@ def build_app(router: FakeRouter) -> Starlette:
             headers = {
                 HEADER_REUSE: reuse,
                 HEADER_REUSED_TOKENS: str(reused),
+                HEADER_REUSABLE_TOKENS: str(reusable),
                 HEADER_PROMPT_TOKENS: str(prompt),
                 HEADER_TURN: str(conv.turns),
             }
