@@ -58,6 +58,7 @@ class FakeRouter:
     conversations: dict[str, Conversation] = field(default_factory=dict)
     replies: deque[dict[str, Any]] = field(default_factory=deque)
     heartbeat_status: int | None = None  # force this status on heartbeats
+    delete_status: int | None = None  # force this status on DELETE of a session
     heartbeat_delay_s: float = 0.0
     chat_status: int | None = None  # force this status on the next chat request
     lease_remaining_s: float = 30.0
@@ -68,6 +69,7 @@ class FakeRouter:
         self.conversations.clear()
         self.replies.clear()
         self.heartbeat_status = None
+        self.delete_status = None
         self.heartbeat_delay_s = 0.0
         self.chat_status = None
         self.lease_remaining_s = 30.0
@@ -164,6 +166,8 @@ def build_app(router: FakeRouter) -> Starlette:
         if conv is None or conv.state == "released":
             return JSONResponse(error_body("unknown session", "not_found"), status_code=404)
         if request.method == "DELETE":
+            if router.delete_status is not None:
+                return JSONResponse(error_body("scripted", "x"), status_code=router.delete_status)
             conv.state = "released"
             return Response(status_code=204)
         return JSONResponse(
