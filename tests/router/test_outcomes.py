@@ -129,3 +129,33 @@ def test_outcome_eligibility_follows_the_label() -> None:
         assert not p.ReuseOutcome.miss(cause).eligible
     parsed = p.parse_reuse_header("fired", "10", "12")
     assert parsed == p.ReuseOutcome.hit(10, 12)
+
+
+def _outcome(prompt: int, cached: int, previous: list[int] | None, *, handle: bool = True,
+             cause: p.MissCause | None = None, decode_lost: bool = False,
+             threshold: int = 16, block: int = 32) -> str:
+    from kvtether.router.reuse import ReusePlan, reuse_outcome
+
+    plan = ReusePlan({"h": 1} if handle else None, 0, cause)
+    return reuse_outcome(
+        plan, list(range(prompt)), cached, previous, conversation=True,
+        decode_lost=decode_lost, block_size=block, recompute_threshold_tokens=threshold,
+    ).label
+
+
+def test_outcome_rules_at_their_boundaries() -> None:
+    prev = list(range(100))
+    # lost = reusable - reused against max(threshold, block) = 32
+    assert _outcome(150, 69, prev) == "fired"  # lost 31
+    assert _outcome(150, 68, prev) == "miss:transfer_failed"  # lost 32
+    assert _outcome(150, 68, prev, handle=False, cause=p.MissCause.EVICTED) == "miss:evicted"
+    assert _outcome(150, 0, prev, decode_lost=True) == "miss:decode_unavailable"
+    assert _outcome(150, 0, prev, handle=False) == "miss:not_retained"
+    # eligibility: reusable >= max(threshold, 1)
+    assert _outcome(150, 0, list(range(15))) == "miss:below_threshold"
+    assert _outcome(150, 0, list(range(16)), handle=False) == "fired"  # lost 16 < a block
+    assert _outcome(150, 0, list(range(16)), handle=False, block=16) == "miss:not_retained"
+    assert _outcome(150, 0, list(range(15)) + [-1] * 50) == "miss:prefix_break"
+    assert _outcome(150, 0, None) == "miss:first_turn"
+    assert _outcome(150, 0, prev, threshold=0, block=1) == "miss:transfer_failed"
+    assert _outcome(150, 0, [], threshold=0) == "miss:below_threshold"
