@@ -123,3 +123,15 @@ def test_first_field_error_names_the_field_and_the_problem():
     with pytest.raises(ValidationError) as info:
         p.HeartbeatRequest.model_validate([1])
     assert p.first_field_error(info.value).loc == "body"  # the whole value was wrong
+
+
+@pytest.mark.parametrize("n", [0, 1, 1023, 1024, 1025, 5000])
+def test_common_prefix_tokens(n: int) -> None:
+    from array import array
+
+    a = list(range(6000))
+    b = a[:n] + [-1] + a[n + 1:]
+    assert p.common_prefix_tokens(a, b) == n
+    assert p.common_prefix_tokens(array("I", a), b) == n
+    assert p.common_prefix_tokens(a[:n], a) == n  # a prefix of the other
+    assert p.common_prefix_tokens([], a) == 0

@@ -23,14 +23,15 @@ SLOW_TOOL_MARGIN_S = 3.0  # the slow tool runs this much longer than the lease
 # The tiny model's tokenizer knows only a few hundred words (anything else is <unk>), so every
 # conversation opens with its own random run of known words: otherwise conversations share
 # their first KV blocks, prefill's own prefix cache covers all but a few decode-held tokens, and
-# vLLM recomputes those (fewer than its threshold, 16) instead of reading them, which is a
-# correct "miss:below_threshold" but not what these tests are about. For the same reason each
+# vLLM recomputes those (fewer than its threshold, 16) instead of reading them: a "fired" turn
+# that read nothing from decode, which is not what these tests are about. For the same reason each
 # reply is long: prefill caches the full blocks of the prompt it computed, so decode must hold
 # at least 16 tokens beyond them (the prompt's last partial block plus the reply).
 MAX_TOKENS = 24
 # The random model must not emit the tokenizer's special tokens (ids 0-3: <|endoftext|>,
 # <|im_start|>, <|im_end|>, <unk>): vLLM leaves them out of the reply's text, so the re-sent
-# history would not extend the KV decode holds (a correct "miss:prefix_break"), and an early
+# history would not extend the KV decode holds (only its whole blocks before the difference
+# are read), and an early
 # <|im_end|> would leave too short a reply. Every reply is MAX_TOKENS ordinary words.
 EXTRA_BODY = {"logit_bias": {str(i): -100 for i in range(4)}}
 _WORDS = (
@@ -329,8 +330,8 @@ def test_openai_agents_two_sessions_interleaved_with_a_long_and_a_failing_tool(
             tools=[slow_lookup, broken, quick],
             # "none": vLLM runs no tool parser on the replies. With tools and "auto", the hermes
             # parser reads the random model's stray <tool_call> words: a streamed reply then
-            # loses that text (the next prompt no longer extends the held KV: a correct
-            # "miss:prefix_break") and a strict tool's grammar fails on the tiny tokenizer.
+            # loses that text (the next prompt no longer extends the held KV: only the whole
+            # blocks before it are read) and a strict tool's grammar fails on the tiny tokenizer.
             # The SDK still runs the tool calls a reply holds.
             model_settings=ModelSettings(max_tokens=MAX_TOKENS, temperature=0, tool_choice="none",
                                          extra_body=EXTRA_BODY),

@@ -23,21 +23,39 @@ SYSTEM = "you are a helpful agent. use the tools. " * 8
 TOOL_RESULT = "ok tests run result found file path value true " * 3
 
 
-class Conv:
-    """A conversation driven by hand over plain HTTP, checked against the reference."""
+# Words the tiny model's tokenizer knows (anything else is one shared <unk>).
+_WORDS = sorted(set((SYSTEM + TOOL_RESULT + " please read the files").replace(".", "").split()))
+# Replies long enough that losing the decode-held KV loses more than a block (32 tokens on
+# cpu-tiny): prefill's own prefix cache holds the previous prompt's whole blocks, and a turn
+# that recomputes less than a block of what it could reuse counts as fired. No special tokens
+# (ids 0-3): vLLM leaves them out of the reply's text, so the history would not re-send them.
+MAX_TOKENS = 40
+NO_SPECIAL = {"logit_bias": {str(i): -100 for i in range(4)}}
 
-    def __init__(self, stack, reference, cid: str | None = None, max_tokens: int = 8) -> None:
+
+class Conv:
+    """A conversation driven by hand over plain HTTP, checked against the reference.
+
+    Each one opens with its own random words: greedy conversations with equal prompts give
+    equal answers, and prefill's prefix cache would then hold one conversation's turns for
+    another (its turns would reuse KV whatever happened to their own).
+    """
+
+    def __init__(self, stack, reference, cid: str | None = None,
+                 max_tokens: int = MAX_TOKENS) -> None:
         self.url = stack.base_url
         self.ref = reference.base_url
         self.model = stack.model
         self.cid = cid or f"lease-{uuid.uuid4().hex[:8]}"
         self.max_tokens = max_tokens
-        self.msgs = [{"role": "system", "content": SYSTEM},
+        rng = random.Random(self.cid)
+        opening = " ".join(rng.choice(_WORDS) for _ in range(8))
+        self.msgs = [{"role": "system", "content": f"{opening}. {SYSTEM}"},
                      {"role": "user", "content": "please run the tests and read the files"}]
 
     def turn(self, *, check: bool = True, url: str | None = None) -> str:
         body = {"model": self.model, "messages": self.msgs, "max_tokens": self.max_tokens,
-                "temperature": 0, "return_token_ids": True}
+                "temperature": 0, "return_token_ids": True, **NO_SPECIAL}
         # The reference answers first: the lease clock starts when the P/D turn ends, and a
         # slow reference call must not eat into it before the test's next step.
         ref = (httpx.post(f"{self.ref}/v1/chat/completions", json=body, timeout=600).json()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import uuid
 
 import httpx
@@ -79,7 +80,7 @@ def test_four_turns_fire_and_match_reference(pd_stack, reference_vllm, stream):
     _release(pd_stack, cid)
 
 
-def test_rewritten_history_is_prefix_break_and_correct(pd_stack, reference_vllm):
+def test_rewritten_history_salvages_the_matching_prefix_and_is_correct(pd_stack, reference_vllm):
     cid = f"it-{uuid.uuid4().hex[:8]}"
     msgs = _conversation(2)
     body = {"model": pd_stack.model, "messages": msgs, "max_tokens": 12}
@@ -95,10 +96,51 @@ def test_rewritten_history_is_prefix_break_and_correct(pd_stack, reference_vllm)
     h, ids, _ = _chat(pd_stack.base_url, body, cid=cid, stream=False)
     _, ref_ids, _ = _chat(reference_vllm.base_url, body, cid=None, stream=False)
     assert ids == ref_ids
-    assert h["x-kvtether-reuse"] == "miss:prefix_break"
     salvaged = int(h["x-kvtether-salvaged-tokens"])
     assert salvaged % pd_stack.block_size_tokens == 0
     assert salvaged > 0  # the long system prompt still matches
+    # Everything before the edit was reused (decode's whole blocks, or prefill's own cache):
+    # nothing reusable was lost, so reuse fired.
+    reused, reusable = int(h["x-kvtether-reused-tokens"]), int(h["x-kvtether-reusable-tokens"])
+    assert h["x-kvtether-reuse"] == "fired", h
+    assert reused >= salvaged and 0 <= reusable - reused < pd_stack.block_size_tokens, h
+    _release(pd_stack, cid)
+
+
+def test_a_remainder_below_the_threshold_after_a_local_hit_fired(pd_stack, reference_vllm):
+    """Prefill's own prefix cache holds turn 1's prompt; decode holds it plus one answer token:
+    fewer new tokens than vLLM's kv_recompute_threshold, so prefill recomputes them rather than
+    read them. That is all it could reuse, so the turn fired (it used to say below_threshold)."""
+    bs = pd_stack.block_size_tokens
+    words = "please read the files and run the tests then tell me".split()
+    rng = random.Random(uuid.uuid4().int)
+    msgs = None
+    small = min(bs, 16) - 4  # below vLLM's kv_recompute_threshold (16) with the answer token
+    for _ in range(200):  # a prompt whose last partial block is short: 2..small tokens
+        user = " ".join(rng.choice(words) for _ in range(rng.randint(12, 40)))
+        candidate = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+        r = httpx.post(f"{pd_stack.prefill_urls[0]}/tokenize", timeout=60, json={
+            "model": pd_stack.model, "messages": candidate, "add_generation_prompt": True})
+        n = len(r.json()["tokens"])
+        if 2 <= n % bs <= small:
+            msgs, prompt1 = candidate, n
+            break
+    assert msgs is not None
+    cid = f"it-{uuid.uuid4().hex[:8]}"
+    # No special token as the one-token answer: its text would not be re-sent.
+    no_special = {"logit_bias": {str(i): -100 for i in range(4)}}
+    body = {"model": pd_stack.model, "messages": msgs, "max_tokens": 1, **no_special}
+    _, ids1, text = _chat(pd_stack.base_url, body, cid=cid, stream=False)
+    msgs = msgs + [{"role": "assistant", "content": text}, {"role": "user", "content": "go on"}]
+    body = {"model": pd_stack.model, "messages": msgs, "max_tokens": 12}
+    h, ids, _ = _chat(pd_stack.base_url, body, cid=cid, stream=False)
+    _, ref_ids, _ = _chat(reference_vllm.base_url, body, cid=None, stream=False)
+    assert ids == ref_ids
+    reused, reusable = int(h["x-kvtether-reused-tokens"]), int(h["x-kvtether-reusable-tokens"])
+    assert h["x-kvtether-reuse"] == "fired", h
+    assert reused >= (prompt1 // bs) * bs, h  # at least prefill's own cache of turn 1
+    assert prompt1 <= reusable <= prompt1 + len(ids1), h
+    assert 0 < reusable - reused <= small + 1, h  # a few tokens recomputed, by design
     _release(pd_stack, cid)
 
 

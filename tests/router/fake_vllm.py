@@ -272,8 +272,10 @@ class Cluster:
         return r
 
     def read(self, reader: FakeVLLM, params: dict[str, Any], prompt: list[int], *,
-             threshold: int, margin_s: float | None, fail: bool = False) -> ReadEvent:
-        """``reader`` reads what ``params`` offers for ``prompt`` (vLLM's pull path)."""
+             threshold: int, margin_s: float | None, fail: bool = False,
+             local_tokens: int = 0) -> ReadEvent:
+        """``reader`` reads what ``params`` offers for ``prompt`` (vLLM's pull path), beyond
+        the ``local_tokens`` its own prefix cache holds."""
         engine, rid = params.get("remote_engine_id"), params.get("remote_request_id")
         offered = min(int(params.get("remote_num_tokens") or 0), len(prompt))
         ev = ReadEvent(reader.name, str(engine), str(rid), offered, 0, "read")
@@ -286,7 +288,12 @@ class Cluster:
         if offered <= 0:
             ev.result = "skipped_below_threshold"
             return ev
-        if threshold > 0 and offered < threshold:
+        if 0 < local_tokens and offered - local_tokens <= 0:
+            ev.result = "local_hit"  # nothing to pull: vLLM reads nothing, D is notified
+            if r is not None:
+                r.end("consumed")
+            return ev
+        if threshold > 0 and offered - local_tokens < threshold:
             ev.result = "skipped_below_threshold"  # vLLM skips the pull; D is notified
             if r is not None:
                 r.end("consumed")
@@ -566,6 +573,7 @@ class FakeVLLM:
                 read = self.cluster.read(
                     self, kvp, prompt, threshold=self.kv_recompute_threshold,
                     margin_s=self.read_margin_s, fail=self.pull_failure,
+                    local_tokens=min(self.local_hit_tokens(prompt), len(prompt) - 1),
                 )
                 cached = read.read_tokens
             cached = max(cached, min(self.local_hit_tokens(prompt), len(prompt) - 1))
@@ -598,6 +606,7 @@ class FakeVLLM:
                 kv_out.update({
                     p.KV_PARAM_PULL: "pulled" if read.read_tokens else (
                         "failed" if read.result in ("failed", "refused_expiry", "holder_down")
+                        else "local_hit" if read.result == "local_hit"
                         else "below_threshold"),
                     p.KV_PARAM_REUSED_TOKENS: read.read_tokens,
                     p.KV_PARAM_REMOTE_TOKENS: read.offered_tokens,

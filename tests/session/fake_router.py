@@ -27,6 +27,7 @@ from kvtether.protocol import (
     HEADER_PROMPT_TOKENS,
     HEADER_REUSE,
     HEADER_REUSED_TOKENS,
+    HEADER_REUSABLE_TOKENS,
     HEADER_TURN,
     HeartbeatRequest,
     HeartbeatResponse,
@@ -57,6 +58,7 @@ class FakeRouter:
     conversations: dict[str, Conversation] = field(default_factory=dict)
     replies: deque[dict[str, Any]] = field(default_factory=deque)
     heartbeat_status: int | None = None  # force this status on heartbeats
+    delete_status: int | None = None  # force this status on DELETE of a session
     heartbeat_delay_s: float = 0.0
     chat_status: int | None = None  # force this status on the next chat request
     lease_remaining_s: float = 30.0
@@ -67,6 +69,7 @@ class FakeRouter:
         self.conversations.clear()
         self.replies.clear()
         self.heartbeat_status = None
+        self.delete_status = None
         self.heartbeat_delay_s = 0.0
         self.chat_status = None
         self.lease_remaining_s = 30.0
@@ -100,6 +103,7 @@ def build_app(router: FakeRouter) -> Starlette:
             reuse, reused = ("miss:released" if conv.state == "released" else "miss:evicted"), 0
         else:
             reuse, reused = "fired", min(conv.held_tokens, prompt - 1)
+        reusable = min(conv.held_tokens, prompt) if cid and conv.turns else 0
         reply = router.replies.popleft() if router.replies else {"content": f"ok {conv.turns}"}
         output = max(1, len(json.dumps(reply)) // 4)
         conv.turns += 1
@@ -109,6 +113,7 @@ def build_app(router: FakeRouter) -> Starlette:
             headers = {
                 HEADER_REUSE: reuse,
                 HEADER_REUSED_TOKENS: str(reused),
+                HEADER_REUSABLE_TOKENS: str(reusable),
                 HEADER_PROMPT_TOKENS: str(prompt),
                 HEADER_TURN: str(conv.turns),
             }
@@ -161,6 +166,8 @@ def build_app(router: FakeRouter) -> Starlette:
         if conv is None or conv.state == "released":
             return JSONResponse(error_body("unknown session", "not_found"), status_code=404)
         if request.method == "DELETE":
+            if router.delete_status is not None:
+                return JSONResponse(error_body("scripted", "x"), status_code=router.delete_status)
             conv.state = "released"
             return Response(status_code=204)
         return JSONResponse(

@@ -35,6 +35,16 @@ def test_context_exit_releases_the_lease(router: FakeRouter, base_client: OpenAI
     assert len(released_ids(router)) == 1
 
 
+def test_a_router_without_leases_counts_as_released(
+    router: FakeRouter, base_client: OpenAI
+) -> None:
+    router.delete_status = 409  # reuse policy upstream or off: nothing to release
+    with Session(router.url, settings=FAST) as session:
+        turn(session.wrap(base_client))
+    assert session.released
+    assert [e.kind.value for e in session.events] == ["released"]
+
+
 def test_a_new_turn_after_close_is_released_again(router: FakeRouter, base_client: OpenAI) -> None:
     session = Session(router.url, settings=FAST)
     client = session.wrap(base_client)

@@ -52,6 +52,8 @@ def test_turn_records_follow_the_router_headers_and_usage(
     assert (t1.turn, t1.outcome, t1.reused_tokens) == (1, "miss:first_turn", 0)
     assert (t2.turn, t2.outcome, t2.fired) == (2, "fired", True)
     assert t2.reused_tokens == t1.prompt_tokens + t1.output_tokens
+    assert (t1.reusable_tokens, t2.reusable_tokens) == (0, t2.reused_tokens)
+    assert (t1.eligible, t2.eligible) == (False, True)
     assert t2.prompt_tokens == second.usage.prompt_tokens  # type: ignore[union-attr]
     assert t1.output_tokens == first.usage.completion_tokens  # type: ignore[union-attr]
     assert t2.router_turn == 2 and t2.gap_before_s is not None and t2.latency_s > 0

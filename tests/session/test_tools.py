@@ -171,11 +171,12 @@ def test_a_slow_router_does_not_hold_up_the_tool(
     s.close()
 
 
+@pytest.mark.parametrize("status", [404, 409], ids=["unknown", "policy_without_leases"])
 def test_unknown_session_stops_heartbeats_quietly(
-    router: FakeRouter, session: Session, client: OpenAI
+    router: FakeRouter, session: Session, client: OpenAI, status: int
 ) -> None:
     first_turn(client)
-    router.heartbeat_status = 404
+    router.heartbeat_status = status
     with session.tool_call("grep") as run:
         wait_for(lambda: heartbeat_threads() == [])  # stopped by itself after one 404
     assert len(router.requests_to("/heartbeat")) == 1 and run.heartbeat_failures == 0

@@ -156,3 +156,53 @@ def test_idle_settings_can_be_switched_off_and_the_callers_env_wins(
     assert "UCX_USE_MT_MUTEX" not in cmd.env  # the process inherits the caller's "n"
     cmd = VllmCommands().command(_plan("decode"), StackSettings())
     assert "UCX_USE_MT_MUTEX" not in cmd.env
+
+
+def _kv_config(argv: list[str]) -> dict:
+    return json.loads(_flag(argv, "--kv-transfer-config"))
+
+
+@pytest.mark.parametrize(
+    ("policy", "connector", "bidirectional"),
+    [("kvtether", "kvtether", True), ("upstream", "nixl", True), ("off", "nixl", False)],
+)
+def test_each_reuse_policy_runs_its_connector(
+    policy: str, connector: str, bidirectional: bool
+) -> None:
+    settings = StackSettings(reuse_policy=policy)
+    assert settings.connector == connector
+    for role in ("prefill", "decode"):
+        argv = VllmCommands("py").command(_plan(role), settings).argv
+        config = _kv_config(argv)
+        assert config["kv_connector"] == "NixlConnector"
+        assert ("kv_connector_module_path" in config) == (connector == "kvtether")
+        assert config["kv_connector_extra_config"]["bidirectional_kv_xfer"] is bidirectional
+        assert ("--scheduler-cls" in argv) == (connector == "kvtether")
+    router = VllmCommands("py").command(_plan("router"), settings).argv
+    assert _flag(router, "--reuse-policy") == policy
+
+
+def test_an_explicit_connector_is_kept_and_a_contradiction_is_an_error() -> None:
+    assert StackSettings(connector="nixl").connector == "nixl"  # stock connector, kvtether router
+    assert StackSettings(reuse_policy="off", connector="nixl").connector == "nixl"
+    for policy in ("upstream", "off"):
+        with pytest.raises(ValueError, match=f"reuse_policy '{policy}' runs vLLM's own"):
+            StackSettings(reuse_policy=policy, connector="kvtether")
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_prefill_prefix_caching_applies_to_prefill_instances_only(caching: bool) -> None:
+    settings = StackSettings(prefill_prefix_caching=caching)
+    prefill = VllmCommands("py").command(_plan("prefill"), settings).argv
+    decode = VllmCommands("py").command(_plan("decode"), settings).argv
+    assert ("--no-enable-prefix-caching" in prefill) is not caching
+    assert "--no-enable-prefix-caching" not in decode
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_reference_reports_cached_tokens_with_or_without_prefix_caching(caching: bool) -> None:
+    plan = _plan("reference", side_channel_port=None, control_port=None, prefix_caching=caching)
+    argv = VllmCommands("py").command(plan, StackSettings()).argv
+    assert "--enable-prompt-tokens-details" in argv
+    assert ("--no-enable-prefix-caching" in argv) is not caching
+    assert "--kv-transfer-config" not in argv

@@ -121,7 +121,7 @@ class BackendPool:
             key=lambda b: (b.retained_tokens, b.inflight),
         )
 
-    def next_decode(self, exclude: set[str] = frozenset()) -> Backend | None:  # type: ignore[assignment]
+    def next_decode(self, exclude: frozenset[str] | set[str] = frozenset()) -> Backend | None:
         """Round-robin over reachable decode instances, no affinity (vLLM's example proxy)."""
         live = [b for b in self.decode if b.name not in exclude and b.available]
         if not live:

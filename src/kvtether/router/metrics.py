@@ -17,7 +17,9 @@ class RouterMetrics:
             "kvtether_turns", "Turns routed, by reuse outcome", ["outcome"], registry=r
         )
         self.reuse_fired = Counter(
-            "kvtether_reuse_fired", "Eligible turns that reused all they could (within a block or the threshold)", registry=r
+            "kvtether_reuse_fired",
+            "Eligible turns that reused all they could (within a block or the threshold)",
+            registry=r,
         )
         self.reuse_eligible = Counter(
             "kvtether_reuse_eligible",
@@ -30,10 +32,13 @@ class RouterMetrics:
             registry=r,
         )
         self.reuse_miss = Counter(
-            "kvtether_reuse_miss", "Turns that did not fire, by cause (eligible or not)", ["cause"], registry=r
+            "kvtether_reuse_miss", "Turns that did not fire, by cause (eligible or not)",
+            ["cause"], registry=r,
         )
         self.reused_tokens = Counter(
-            "kvtether_reused_tokens", "Prompt tokens not recomputed (prefill's prefix cache or decode-held KV)", registry=r
+            "kvtether_reused_tokens",
+            "Prompt tokens not recomputed (prefill's prefix cache or decode-held KV)",
+            registry=r,
         )
         self.prompt_tokens = Counter("kvtether_prompt_tokens", "Prompt tokens routed", registry=r)
         self.errors = Counter(

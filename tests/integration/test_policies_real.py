@@ -1,0 +1,97 @@
+"""The baseline reuse policies on real vLLM P/D (tiny model), non-streamed turns.
+
+``upstream`` (vLLM's NixlConnector, bidirectional, the last handle forwarded as is) reads
+decode's KV on every non-streamed turn; ``off`` (one-way, prefill without a prefix cache)
+never reuses anything and decode keeps nothing. Both answer exactly like the colocated
+reference. Each test starts its own small stack (one at a time: 2-core machines).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+
+import httpx
+import pytest
+
+from .conftest import _PORT_BASE, _settings
+
+pytestmark = pytest.mark.vllm
+
+WORDS = "please read the files and run the tests then tell me you are a helpful agent".split()
+NO_SPECIAL = {"logit_bias": {str(i): -100 for i in range(4)}}  # replies re-send exactly
+MAX_TOKENS = 24  # beyond prefill's cached prompt, more than the threshold to read
+
+
+def _turns(base_url: str, reference_url: str, model: str, n: int,
+           cid: str) -> list[httpx.Headers]:
+    rng = random.Random(uuid.uuid4().int)
+    msgs = [{"role": "system", "content": " ".join(rng.choice(WORDS) for _ in range(30))},
+            {"role": "user", "content": "run the tests"}]
+    out = []
+    for turn in range(1, n + 1):
+        body = {"model": model, "messages": msgs, "max_tokens": MAX_TOKENS, "temperature": 0,
+                **NO_SPECIAL}
+        r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=600,
+                       headers={"X-Conversation-Id": cid})
+        assert r.status_code == 200, r.text
+        ref = httpx.post(f"{reference_url}/v1/chat/completions", json=body, timeout=600)
+        text = r.json()["choices"][0]["message"]["content"]
+        assert text == ref.json()["choices"][0]["message"]["content"], f"turn {turn} differs"
+        out.append(r.headers)
+        msgs = msgs + [{"role": "assistant", "content": text},
+                       {"role": "user", "content": "ok " + rng.choice(WORDS)}]
+    return out
+
+
+def _kv_usage(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:kv_cache_usage_perc")]
+    assert values, "vLLM exports no vllm:kv_cache_usage_perc"
+    return max(values)
+
+
+def _stack(tmp_path_factory: pytest.TempPathFactory, offset: int, **overrides):
+    from kvtether.stack.launcher import Stack
+
+    settings = _settings(
+        tmp_path_factory.mktemp("policy"),
+        port=_PORT_BASE + offset, base_port=_PORT_BASE + 100 + offset,
+        control_base_port=_PORT_BASE + 200 + offset,
+        side_channel_base_port=_PORT_BASE - 2000 + 10 * offset, **overrides,
+    )
+    return Stack(settings, die_with_parent=True)
+
+
+def test_upstream_reads_decode_kv_on_non_streamed_turns(tmp_path_factory, reference_vllm):
+    with _stack(tmp_path_factory, 20, reuse_policy="upstream") as stack:
+        assert stack.settings.connector == "nixl"
+        cid = f"it-upstream-{uuid.uuid4().hex[:8]}"
+        headers = _turns(stack.router_url, reference_vllm.base_url, stack.served_model_name, 3,
+                         cid)
+        assert [h["x-kvtether-reuse"] for h in headers] == ["miss:first_turn", "fired", "fired"]
+        for prev, h in zip(headers, headers[1:], strict=False):
+            # More than the previous prompt was not computed: only decode's KV holds that.
+            assert int(h["x-kvtether-reused-tokens"]) > int(prev["x-kvtether-prompt-tokens"])
+        # vLLM keeps the last turn's KV on decode under its own TTL; nobody frees it.
+        assert _kv_usage(stack.decode_urls[0]) > 0
+        r = httpx.delete(f"{stack.router_url}/v1/sessions/{cid}", timeout=30)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "no_leases"
+
+
+def test_off_never_reuses_and_decode_holds_nothing(tmp_path_factory, reference_vllm):
+    with _stack(tmp_path_factory, 30, reuse_policy="off",
+                prefill_prefix_caching=False) as stack:
+        headers = _turns(stack.router_url, reference_vllm.base_url, stack.served_model_name, 3,
+                         f"it-off-{uuid.uuid4().hex[:8]}")
+        assert [h["x-kvtether-reuse"] for h in headers] == [
+            "miss:first_turn", "miss:not_retained", "miss:not_retained"]
+        assert all(int(h["x-kvtether-reused-tokens"]) == 0 for h in headers)
+        assert all(int(h["x-kvtether-reusable-tokens"]) > 16 for h in headers[1:])
+        deadline = time.monotonic() + 10
+        while _kv_usage(stack.decode_urls[0]) > 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _kv_usage(stack.decode_urls[0]) == 0
+
