@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvtether-setup-$(shell cat $(SETUP_INPUTS) | sha1sum | cut -c1
 # The integrations' tests, where their distributions are installed (Python >= 3.11).
 INTEGRATION_TESTS = $$($(PY) -c 'import sys; print("integrations/langgraph/tests integrations/openai-agents/tests" if sys.version_info >= (3, 11) else "")')
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench bench-idle clean
 
 setup: $(STAMP)
 
@@ -24,7 +24,11 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest tests $(INTEGRATION_TESTS) -m "not vllm" $(PYTEST_ARGS)
 
+# The four-strategy comparison (~25 min on 2 cores); results in .kvtether/bench/results-*/.
 bench: setup
+	$(PY) -m kvtether bench $(BENCH_ARGS)
+
+bench-idle: setup
 	$(PY) -m kvtether bench idle
 
 clean:

@@ -186,7 +186,7 @@ def test_a_small_real_run_of_all_four_strategies(tmp_path: Path) -> None:
     code = compare.main([
         "--profile", "cpu-tiny", "--sessions", "2", "--turns", "3", "3", "--seed", "1",
         "--context-tokens", "700", "--system-tokens", "200", "--max-output-tokens", "16",
-        "--long-tools", "1", "--compress", "60", "--stream-fraction", "0.5",
+        "--long-tools", "1", "--compress", "30", "--stream-fraction", "0.5",
         "--port", "8800", "--state-dir", str(tmp_path / "state"), "--out", str(out),
     ])
     assert code == 0

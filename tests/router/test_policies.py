@@ -118,3 +118,15 @@ async def test_off_fires_when_prefill_cache_alone_covers_the_turn() -> None:
         await a.say("one")
         h.p.local_hit_tokens = lambda prompt: len(prompt) - 1
         assert (await a.say("two")).outcome == "fired"
+
+
+async def test_upstream_forwards_only_what_vllm_returns() -> None:
+    """On a kvtether decode, the handle's kvtether fields (block hashes) stay behind: a
+    kvtether prefill would check them, vLLM's does not."""
+    async with make_router(reuse_policy="upstream", control=True) as h:
+        a = h.conversation("bare")
+        await a.say("one " * 20)
+        await a.say("two")
+        fwd = h.p.prefill_handles[-1]
+        assert fwd is not None and fwd.get("remote_block_ids")
+        assert not [k for k in fwd if k.startswith("kvtether_")]

@@ -182,12 +182,17 @@ def test_each_reuse_policy_runs_its_connector(
     assert _flag(router, "--reuse-policy") == policy
 
 
-def test_an_explicit_connector_is_kept_and_a_contradiction_is_an_error() -> None:
+def test_an_explicit_connector_is_kept() -> None:
     assert StackSettings(connector="nixl").connector == "nixl"  # stock connector, kvtether router
     assert StackSettings(reuse_policy="off", connector="nixl").connector == "nixl"
     for policy in ("upstream", "off"):
-        with pytest.raises(ValueError, match=f"reuse_policy '{policy}' runs vLLM's own"):
-            StackSettings(reuse_policy=policy, connector="kvtether")
+        # A baseline policy on kvtether's connector (idle-sleeping engine): what the bench runs.
+        settings = StackSettings(reuse_policy=policy, connector="kvtether")
+        assert settings.connector == "kvtether"
+        argv = VllmCommands("py").command(_plan("decode"), settings).argv
+        config = _kv_config(argv)
+        assert config["kv_connector_extra_config"]["bidirectional_kv_xfer"] is (policy != "off")
+        assert "--scheduler-cls" in argv
 
 
 @pytest.mark.parametrize("caching", [True, False])

@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                         default=False,
                         help="prefix cache on the P/D prefill instance (default off: a "
                         "prefill pool whose cache does not hold the conversation)")
+    parser.add_argument("--baseline-connector", choices=("kvtether", "nixl"), default="kvtether",
+                        help="connector the P/D baselines run on (default kvtether: the same "
+                        "engine for every strategy, the router applies each baseline's reuse "
+                        "rules; nixl: vLLM's own, which busy-polls on CPU hosts)")
     parser.add_argument("--max-retained-tokens", type=int, default=None,
                         help="kvtether budget per decode instance (default: none)")
     parser.add_argument("--think-s", type=float, default=60.0,
@@ -107,6 +111,7 @@ def run(args: argparse.Namespace, scenario: Scenario, command: str) -> dict[str,
     opts = StrategyOptions(
         profile=args.profile, compress=args.compress, port=args.port, state_dir=args.state_dir,
         prefill_prefix_caching=args.prefill_cache, max_retained_tokens=args.max_retained_tokens,
+        baseline_connector=args.baseline_connector,
     )
     run_id = uuid.uuid4().hex[:8]
     strategies: dict[str, dict[str, Any]] = {}
@@ -156,6 +161,7 @@ def run(args: argparse.Namespace, scenario: Scenario, command: str) -> dict[str,
             "compress": args.compress,
             "fixed_ttl_s": FIXED_TTL_S,
             "prefill_prefix_caching": args.prefill_cache,
+            "baseline_connector": args.baseline_connector,
             "reference": reference,
             "scenario": {"name": scenario.name, "source": scenario.source},
             "scenario_summary": scenario.summary(FIXED_TTL_S),

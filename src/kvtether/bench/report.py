@@ -63,7 +63,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"Profile `{meta['profile']}`, time compression **{meta['compress']:g}x** (every "
         f"duration and TTL divided by it: fixed TTL {meta['fixed_ttl_s']:g} s workload = "
         f"{meta['fixed_ttl_s'] / meta['compress']:.1f} s wall), prefill prefix cache "
-        f"{'on' if meta['prefill_prefix_caching'] else 'off'}, {meta['host']}, "
+        f"{'on' if meta['prefill_prefix_caching'] else 'off'}, P/D baselines on the "
+        f"{meta.get('baseline_connector', 'kvtether')} connector, {meta['host']}, "
         f"{meta['date']}.",
         "",
         "Scenario: " + ", ".join(f"{k} {v}" for k, v in meta["scenario_summary"].items()) + ".",

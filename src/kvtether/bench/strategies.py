@@ -12,8 +12,14 @@
   tools run, released at the end, prediction hints, prefix check, budget), driven through the
   kvtether session layer.
 
-The P/D strategies run one prefill and one decode instance (``--prefill``/``--decode`` of the
-stack apply), with the prefill prefix cache as the bench options say.
+The P/D strategies run one prefill and one decode instance, with the prefill prefix cache as
+the bench options say. By default every P/D strategy runs on kvtether's connector, so each gets
+the same engine (on CPU hosts: the idle-sleeping one of ``kvtether bench idle``) and only the
+reuse policy differs; the router applies each baseline's rules (``reuse_policy``), and for
+``pd-upstream`` decode holds a turn's KV under a lease as long as the fixed TTL that is never
+renewed or released, which is vLLM's ``decoder_kv_blocks_ttl``. ``baseline_connector="nixl"``
+runs the baselines on vLLM's own NixlConnector instead (on a CPU host that adds the busy
+polling of ``kvtether bench idle``'s stock column to their turn times).
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ class StrategyOptions:
     port: int
     state_dir: Path
     prefill_prefix_caching: bool = False
+    baseline_connector: Literal["kvtether", "nixl"] = "kvtether"
     prefill: int = 1
     decode: int = 1
     max_retained_tokens: int | None = None
@@ -116,6 +123,10 @@ def stack_settings(strategy: Strategy, opts: StrategyOptions) -> Any:
     if strategy.colocated:
         values.pop("reuse_policy")
         values.pop("prefill_prefix_caching")
+    elif strategy.reuse_policy != "kvtether":
+        values["connector"] = opts.baseline_connector
+        if strategy.reuse_policy == "upstream" and opts.baseline_connector == "kvtether":
+            values["lease_ttl_s"] = FIXED_TTL_S / c  # the fixed TTL, never renewed
     return StackSettings(**values)
 
 

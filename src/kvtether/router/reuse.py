@@ -78,6 +78,9 @@ def plan_reuse(
     return ReusePlan(handle, match, MissCause.PREFIX_BREAK, salvaged_tokens=match)
 
 
+KVTETHER_PARAM_PREFIX = "kvtether_"
+
+
 def plan_upstream(conv: Conversation) -> ReusePlan:
     """vLLM's example proxy: the conversation's last handle goes to P as is.
 
@@ -91,7 +94,11 @@ def plan_upstream(conv: Conversation) -> ReusePlan:
             MissCause.FIRST_TURN if not conv.turns else MissCause.NOT_RETAINED
         )
         return ReusePlan(None, 0, cause)
-    return ReusePlan(copy.deepcopy(retained.params), retained.retained_tokens, None)
+    # What vLLM's decode returns, nothing more: a kvtether decode adds block hashes, which a
+    # kvtether prefill would check. Without them it reads as upstream's does.
+    handle = {k: copy.deepcopy(v) for k, v in retained.params.items()
+              if not k.startswith(KVTETHER_PARAM_PREFIX)}
+    return ReusePlan(handle, retained.retained_tokens, None)
 
 
 def reuse_outcome(

@@ -141,9 +141,9 @@ class StackSettings(RetentionSettings, StackSettingsBase):
     connector: ConnectorKind = Field(
         default="kvtether",
         description="'kvtether' (leases, control channel, streamed handles) or 'nixl' "
-        "(upstream NixlConnector: fixed decoder_kv_blocks_ttl, no streamed reuse); "
-        "reuse_policy upstream or off always runs 'nixl' (default: 'kvtether' for "
-        "reuse_policy kvtether, else 'nixl')",
+        "(upstream NixlConnector: fixed decoder_kv_blocks_ttl, no streamed reuse); default "
+        "'kvtether' for reuse_policy kvtether, else 'nixl' (set it to run a baseline policy "
+        "on the kvtether connector)",
     )
     prefill_prefix_caching: bool = Field(
         default=True,
@@ -179,16 +179,14 @@ class StackSettings(RetentionSettings, StackSettingsBase):
         return self
 
     def _resolve_connector(self) -> None:
-        """The baselines run what vLLM ships: reuse_policy upstream / off → connector nixl."""
-        if self.reuse_policy == "kvtether":
-            return
-        if "connector" in self.model_fields_set and self.connector == "kvtether":
-            raise ConfigError(
-                f"reuse_policy {self.reuse_policy!r} runs vLLM's own NixlConnector (it is the "
-                "baseline kvtether is compared with); drop --connector kvtether, or use "
-                "--reuse-policy kvtether"
-            )
-        self.__dict__["connector"] = "nixl"
+        """The baselines run what vLLM ships: reuse_policy upstream / off → connector nixl.
+
+        Unless ``connector`` is set: ``--connector kvtether`` runs them on kvtether's connector
+        (its idle-sleeping engine on CPU hosts) with the router applying the baseline's reuse
+        rules, so a comparison measures the reuse policy alone (what `kvtether bench` does).
+        """
+        if self.reuse_policy != "kvtether" and "connector" not in self.model_fields_set:
+            self.__dict__["connector"] = "nixl"
 
     # --- derived values ------------------------------------------------------------------
     @property
