@@ -354,7 +354,7 @@ class FakeVLLM:
         max_model_len: int = MAX_MODEL_LEN, delay_s: float = 0.0, queue_delay_s: float = 0.0,
         decoder_kv_blocks_ttl_s: float = 480.0, kv_recompute_threshold: int = 16,
         read_margin_s: float = p.PREFILL_READ_MARGIN_S, kvtether_connector: bool = False,
-        output_words: int | None = None,
+        output_words: int | None = None, control_secret: str | None = None,
     ) -> None:
         self.cluster = cluster
         self.name = name
@@ -363,6 +363,7 @@ class FakeVLLM:
         self.url = f"http://{host}:{port}"
         self.control = control
         self.control_url = f"http://{host}-control:{port + 1000}" if control else None
+        self.control_secret = control_secret  # like KVTETHER_CONTROL_SECRET on the connector
         self.side_channel_port = side_channel_port
         self.engine_id = f"{name}-{uuid.uuid4()}"
         self.max_model_len = max_model_len
@@ -789,6 +790,10 @@ class FakeVLLM:
     # ------------------------------------------------------------------ control channel
     def _ctl(self, request: Request) -> Response | None:
         self.control_calls.append((request.method, request.url.path))
+        if self.control_secret is not None and \
+                request.headers.get("authorization") != f"Bearer {self.control_secret}":
+            return JSONResponse(p.error_body("missing or wrong control-channel secret",
+                                             "authentication_error"), status_code=401)
         if self._control_failures:
             status = self._control_failures.pop(0)
             return JSONResponse(p.error_body("control channel failure", "server_error"),

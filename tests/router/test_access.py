@@ -227,3 +227,26 @@ def test_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "from-env" not in repr(s)
     assert s.max_retained_tokens_per_tenant == 5000
     assert KeyRing.from_settings(s).tenant("Bearer from-env") == "default"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_router_sends_the_control_secret(stream: bool) -> None:
+    async with make_router(control=True, fake={"control_secret": "cs"}, control_secret="cs") as h:
+        a = h.conversation("c")
+        await a.say("one", stream=stream)
+        assert (await h.client.post("/v1/sessions/c/heartbeat", json={})).status_code == 200
+        assert (await a.say("two", stream=stream)).outcome == "fired"
+        assert (await h.client.delete("/v1/sessions/c")).status_code == 200
+        assert h.d.releases and not h.d.held_leases()
+
+
+async def test_a_wrong_control_secret_is_logged_and_no_turn_fails(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with make_router(control=True, fake={"control_secret": "cs"},
+                           control_secret="other") as h:
+        a = h.conversation("c")
+        await a.say("one", stream=True)  # D's handle cannot be fetched: not retained
+        assert (await a.say("two", stream=True)).status == 200
+        assert h.d.releases == []
+        assert "KVTETHER_CONTROL_SECRET" in caplog.text
