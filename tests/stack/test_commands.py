@@ -156,3 +156,13 @@ def test_idle_settings_can_be_switched_off_and_the_callers_env_wins(
     assert "UCX_USE_MT_MUTEX" not in cmd.env  # the process inherits the caller's "n"
     cmd = VllmCommands().command(_plan("decode"), StackSettings())
     assert "UCX_USE_MT_MUTEX" not in cmd.env
+
+
+def test_control_channel_secret_and_host_reach_vllm_in_env_and_config() -> None:
+    settings = StackSettings(connector="kvtether", control_host="127.0.0.2")
+    cmd = VllmCommands("py").command(_plan(control_secret="shh"), settings)
+    assert cmd.env["KVTETHER_CONTROL_SECRET"] == "shh"
+    assert not any("shh" in a for a in cmd.argv)
+    extra = json.loads(_flag(cmd.argv, "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert extra["kvtether_control_host"] == "127.0.0.2"
+    assert "shh" not in repr(_plan(control_secret="shh"))

@@ -18,14 +18,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from kvtether.errors import ConfigError
-from kvtether.protocol import first_field_error
+from kvtether.protocol import CONTROL_SECRET_ENV, first_field_error
 
 __all__ = ["ConnectorSettings", "CONTROL_PORT_ENV", "CONTROL_SECRET_ENV", "is_loopback"]
 
 # Fallback for the control port when extra_config has none (set by `kvtether stack`).
 CONTROL_PORT_ENV = "KVTETHER_CONTROL_PORT"
-# The control channel's shared secret (`kvtether stack up` generates it).
-CONTROL_SECRET_ENV = "KVTETHER_CONTROL_SECRET"
 
 
 def is_loopback(host: str) -> bool:
