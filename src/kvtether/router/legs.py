@@ -58,7 +58,9 @@ async def tokenize(
     prefill: Backend, endpoint: str, body: dict[str, Any]
 ) -> list[int] | None:
     """The new prompt's token ids, exactly as the prefill instance will see them."""
-    if endpoint.endswith("/completions") and "messages" not in body:
+    # By endpoint, as vLLM reads the body: /v1/completions uses `prompt` even when the body
+    # also has `messages` (tokenizing those would check the wrong prompt against D's KV).
+    if not endpoint.endswith("/chat/completions"):
         prompt = body.get("prompt")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt
