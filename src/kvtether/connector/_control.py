@@ -144,7 +144,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._raw = self._read_body()
             self._route(method)
         except _Refused as exc:
-            self.close_connection = exc.close
+            if exc.close:  # never reopen a connection the client asked to close
+                self.close_connection = True
             self._json(Reply(exc.status, error_body(
                 str(exc), _ERROR_TYPES.get(exc.status, "invalid_request_error"), code=exc.code)))
         except Exception:  # keep the listener alive whatever a handler does
