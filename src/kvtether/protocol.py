@@ -55,6 +55,7 @@ __all__ = [
     "common_prefix_tokens",
     "tail_block_hash",
     "CONTROL_API_PREFIX",
+    "CONTROL_SECRET_ENV",
     "KV_PARAM_HANDLE_KEY",
     "KV_PARAM_LEASE_TTL_S",
     "KV_PARAM_LEASE_KEY",
@@ -418,8 +419,11 @@ def tail_block_hash(token_ids: Sequence[int], block_size: int) -> str | None:
 #   GET    /kvtether/v1/metrics                 Prometheus text
 #
 # Errors use ``ErrorBody``; for a lease or handle that ended, 410 with ``error.code`` = the
-# ``LeaseState`` and a ``lease`` field holding the final ``LeaseInfo``.
+# ``LeaseState`` and a ``lease`` field holding the final ``LeaseInfo``. With a shared secret in
+# the connector's environment (``CONTROL_SECRET_ENV``) every request carries
+# ``Authorization: Bearer <secret>`` (else 401, ``error.code`` "invalid_control_secret").
 CONTROL_API_PREFIX = "/kvtether/v1"
+CONTROL_SECRET_ENV = "KVTETHER_CONTROL_SECRET"
 
 # Keys kvtether adds to vLLM's ``kv_transfer_params`` (vLLM passes unknown keys through).
 KV_PARAM_HANDLE_KEY = "kvtether_handle_key"  # router -> D: publish the handle under this key

@@ -139,3 +139,84 @@ def test_render_metrics_has_gauges_and_counters() -> None:
     assert 'kvtether_connector_active_leases{engine_id="engine-d"} 1' in text
     assert 'kvtether_connector_retained_tokens{engine_id="engine-d"} 90' in text
     assert "# TYPE kvtether_connector_leases_created_total counter" in text
+
+
+SECRET = "s3cret-token"
+
+
+@pytest.fixture
+def guarded() -> Iterator[tuple[str, FakeEngine]]:
+    """A control server that requires ``SECRET`` and takes bodies up to 1 KiB."""
+    table = LeaseTable(op_timeout_s=5.0)
+    server = ControlServer(table, lambda: status_of(table), "127.0.0.1", 0, secret=SECRET,
+                           max_body_bytes=1024)
+    server.start()
+    with FakeEngine(table) as engine:
+        yield f"http://127.0.0.1:{server.port}/kvtether/v1", engine
+    server.close()
+
+
+def test_every_route_needs_the_secret(guarded: tuple[str, FakeEngine]) -> None:
+    url, engine = guarded
+    engine.finish_turn("k", "r", ttl_s=30)
+    calls = [("GET", "/status"), ("GET", "/metrics"), ("GET", "/leases"), ("GET", "/leases/k"),
+             ("POST", "/leases/k/renew"), ("DELETE", "/leases/k"), ("GET", "/handles/k"),
+             ("GET", "/nothing")]
+    for auth in (None, "Bearer wrong", f"Basic {SECRET}", SECRET, f"Bearer {SECRET}x"):
+        headers = {"Authorization": auth} if auth else {}
+        with httpx.Client(base_url=url, timeout=10, headers=headers) as client:
+            for method, path in calls:
+                r = client.request(method, path, json={"ttl_s": 1})
+                assert r.status_code == 401, (auth, method, path, r.text)
+                error = r.json()["error"]
+                assert error["type"] == "authentication_error"
+                assert error["code"] == "invalid_control_secret"
+                assert "KVTETHER_CONTROL_SECRET" in error["message"]
+                assert r.headers["connection"] == "close"
+    assert engine.table.lease("k").status == 200  # untouched: not renewed, not released
+    assert engine.table.totals().active_leases == 1
+    with httpx.Client(base_url=url, timeout=10,
+                      headers={"Authorization": f"Bearer {SECRET}"}) as client:
+        assert client.get("/status").status_code == 200
+        renewed = client.post("/leases/k/renew", json={"ttl_s": 120})
+        assert renewed.status_code == 200 and renewed.json()["remaining_s"] > 100
+        assert client.delete("/leases/k").json()["state"] == "released"
+
+
+def test_large_bodies_get_413_and_the_connection_stays_usable(
+    guarded: tuple[str, FakeEngine],
+) -> None:
+    url, engine = guarded
+    engine.finish_turn("k", "r", ttl_s=30)
+    with httpx.Client(base_url=url, timeout=10,
+                      headers={"Authorization": f"Bearer {SECRET}"}) as client:
+        big = client.post("/leases/k/renew", content=b'{"ttl_s": 5' + b" " * 2000 + b"}",
+                          headers={"content-type": "application/json"})
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+        # A body on a GET is read and ignored, so the next request on the connection parses.
+        assert client.request("GET", "/leases/k", content=b"x" * 500).status_code == 200
+        assert client.get("/status").status_code == 200
+
+        def chunked():
+            yield b'{"ttl_s": 5}'
+
+        assert client.post("/leases/k/renew", content=chunked()).status_code == 411
+        assert client.put("/leases/k").status_code == 404  # JSON, not http.server's 501
+        assert client.post("/leases/k/renew", json={"ttl_s": 60}).status_code == 200
+
+
+def test_settings_keep_an_open_channel_on_loopback() -> None:
+    from kvtether.connector._settings import ConnectorSettings
+    from kvtether.errors import ConfigError
+
+    plain = ConnectorSettings.from_extra_config({"kvtether_control_port": 5900}, env={})
+    assert plain.control_host == "127.0.0.1" and plain.control_secret is None
+    with pytest.raises(ConfigError, match="KVTETHER_CONTROL_SECRET"):
+        ConnectorSettings.from_extra_config(
+            {"kvtether_control_port": 5900, "kvtether_control_host": "0.0.0.0"}, env={})
+    open_wide = ConnectorSettings.from_extra_config(
+        {"kvtether_control_port": 5900, "kvtether_control_host": "0.0.0.0"},
+        env={"KVTETHER_CONTROL_SECRET": "x"})
+    assert open_wide.control_secret is not None
+    assert open_wide.control_secret.get_secret_value() == "x"
+    assert "x" not in repr(open_wide.control_secret)

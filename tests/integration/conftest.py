@@ -37,6 +37,11 @@ class StackHandle:
     decode_urls: list[str]
     decode_control_urls: list[str]
     state_dir: Path
+    control_secret: str | None = None  # the stack's; every control-channel call needs it
+
+    @property
+    def control_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.control_secret}"} if self.control_secret else {}
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,11 @@ def pd_stack(
                 for i in range(settings.decode)
             ],
             state_dir=tmp,
+            control_secret=stack.control_secret,
         )
+        # The control channel refuses a call without the stack's secret.
+        refused = httpx.get(f"{handle.decode_control_urls[0]}/kvtether/v1/status", timeout=10)
+        assert refused.status_code == 401, refused.text
         # Stack.up() ran turns until one reused KV: both NIXL handshakes are done, so no test
         # times (or fails on) vLLM's 5 s first-handshake limit.
         report = stack.warm_up_report
@@ -107,7 +116,7 @@ def serve_router(stack: StackHandle, **settings):
             port = s.getsockname()[1]
         rs = RouterSettings(
             port=port, prefill_urls=stack.prefill_urls, decode_urls=stack.decode_urls,
-            decode_control_urls=stack.decode_control_urls,
+            decode_control_urls=stack.decode_control_urls, control_secret=stack.control_secret,
             kv_block_size_tokens=stack.block_size_tokens, **settings,
         )
         server = uvicorn.Server(uvicorn.Config(create_app(rs), port=port, log_level="warning"))

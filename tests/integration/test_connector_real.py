@@ -34,6 +34,9 @@ BLOCK = 32
 # Generous: on a loaded 2-core machine a streamed answer can reach the client 20 s after D
 # finished it, and a first NIXL handshake can take minutes.
 DEFAULT_TTL_S = 300.0
+# The control channel's shared secret, as `kvtether stack up` hands it to each instance.
+SECRET = f"test-{uuid.uuid4().hex}"
+CONTROL = httpx.Client(headers={"Authorization": f"Bearer {SECRET}"})
 FIRST_LEG = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
              "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
@@ -70,7 +73,7 @@ def _launch(name: str, idx: int, tmp: Path, extra_args: list[str]) -> Instance:
         },
     }
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
-               UCX_USE_MT_MUTEX="y",
+               UCX_USE_MT_MUTEX="y", KVTETHER_CONTROL_SECRET=SECRET,
                VLLM_NIXL_SIDE_CHANNEL_PORT=str(_SIDE + 10 * idx))
     # One core each: P's and D's spinning OpenMP threads otherwise starve each other.
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(idx % (os.cpu_count() or 1)))
@@ -195,24 +198,24 @@ def recompute(p: Instance, d: Instance, prompt: list[int], max_tokens: int = 24)
     """Reference output: the same turn with no decode-held KV offered (P recomputes)."""
     key = f"ref-{uuid.uuid4().hex[:8]}"
     _, out = turn(p, d, prompt, key=key, max_tokens=max_tokens)
-    httpx.delete(f"{d.control}/leases/{key}", timeout=30)
+    CONTROL.delete(f"{d.control}/leases/{key}", timeout=30)
     return out
 
 
 def fetch_handle(d: Instance, key: str) -> dict[str, Any]:
-    r = httpx.get(f"{d.control}/handles/{key}", params={"wait_s": 5}, timeout=30)
+    r = CONTROL.get(f"{d.control}/handles/{key}", params={"wait_s": 5}, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def release(d: Instance, key: str) -> None:
-    httpx.delete(f"{d.control}/leases/{key}", timeout=30)
+    CONTROL.delete(f"{d.control}/leases/{key}", timeout=30)
 
 
 def wait_for_state(d: Instance, key: str, state: str, timeout_s: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while True:
-        lease = httpx.get(f"{d.control}/leases/{key}", timeout=10).json()
+        lease = CONTROL.get(f"{d.control}/leases/{key}", timeout=10).json()
         if lease.get("state") == state or time.monotonic() > deadline:
             assert lease.get("state") == state, lease
             return lease
@@ -232,32 +235,38 @@ def test_streamed_turn_publishes_handle_and_release_frees_at_once(
     assert kv["remote_num_tokens"] == len(prompt) + len(out) - 1
     assert len(kv["kvtether_block_hashes"]) == kv["remote_num_tokens"] // BLOCK
     assert 150 < lease["remaining_s"] <= 250 and lease["state"] == "active"
-    status = httpx.get(f"{d.control}/status", timeout=10).json()
+    status = CONTROL.get(f"{d.control}/status", timeout=10).json()
     assert status["totals"]["retained_tokens"] >= kv["remote_num_tokens"]
+    # Without the secret the control channel answers nothing and changes nothing.
+    for method in ("GET", "DELETE"):
+        refused = httpx.request(method, f"{d.control}/leases/{key}", timeout=10)
+        assert refused.status_code == 401
+        assert refused.json()["error"]["code"] == "invalid_control_secret"
+    assert CONTROL.get(f"{d.control}/leases/{key}", timeout=10).json()["state"] == "active"
     assert status["block_size"] == BLOCK
     # The expiry P compares is in D's perf_counter clock, which status reports too.
     assert kv["remote_blocks_expiry_time"] - status["perf_counter"] == pytest.approx(
         lease["remaining_s"], abs=10)
 
-    renewed = httpx.post(f"{d.control}/leases/{key}/renew", json={"ttl_s": 400}, timeout=30)
+    renewed = CONTROL.post(f"{d.control}/leases/{key}/renew", json={"ttl_s": 400}, timeout=30)
     assert renewed.status_code == 200, renewed.text
     assert 395 < renewed.json()["remaining_s"] <= 400
     # A shorter renewal never shortens the lease: the forwarded handle's deadline still holds.
-    shorter = httpx.post(f"{d.control}/leases/{key}/renew", json={"ttl_s": 10}, timeout=30)
+    shorter = CONTROL.post(f"{d.control}/leases/{key}/renew", json={"ttl_s": 10}, timeout=30)
     assert shorter.status_code == 200, shorter.text
     assert shorter.json()["remote_blocks_expiry_time"] == renewed.json()["remote_blocks_expiry_time"]
     refreshed = fetch_handle(d, key)["kv_transfer_params"]["remote_blocks_expiry_time"]
     assert refreshed == renewed.json()["remote_blocks_expiry_time"]
 
     started = time.perf_counter()
-    gone = httpx.delete(f"{d.control}/leases/{key}", timeout=30)
+    gone = CONTROL.delete(f"{d.control}/leases/{key}", timeout=30)
     freed_after_s = time.perf_counter() - started
     print(f"DELETE -> blocks freed by vLLM in {freed_after_s * 1000:.1f} ms")
     assert gone.status_code == 200 and gone.json()["state"] == "released"
     assert freed_after_s < 1.0
-    listing = httpx.get(f"{d.control}/leases", timeout=10).json()
+    listing = CONTROL.get(f"{d.control}/leases", timeout=10).json()
     assert key not in {x["key"] for x in listing["leases"]}
-    assert httpx.get(f"{d.control}/handles/{key}", timeout=10).status_code == 410
+    assert CONTROL.get(f"{d.control}/handles/{key}", timeout=10).status_code == 410
 
 
 def test_turn_two_pulls_from_decode_and_matches_recompute(pd: tuple[Instance, Instance]) -> None:
@@ -271,7 +280,7 @@ def test_turn_two_pulls_from_decode_and_matches_recompute(pd: tuple[Instance, In
     assert p_params["kvtether_pull"] == "pulled"
     assert p_params["kvtether_reused_tokens"] == handle["remote_num_tokens"] == 143
     assert p_params["kvtether_prefix_break"] is False
-    consumed = httpx.get(f"{d.control}/leases/{key}", timeout=10).json()
+    consumed = CONTROL.get(f"{d.control}/leases/{key}", timeout=10).json()
     assert consumed["state"] == "consumed" and consumed["retained_tokens"] == 0
     release(d, key2)
     assert out2 == recompute(p, d, prompt2, max_tokens=16)
@@ -302,7 +311,7 @@ def test_expired_lease_is_freed_and_never_read(pd: tuple[Instance, Instance]) ->
     stale = fetch_handle(d, key)["kv_transfer_params"]
     lease = wait_for_state(d, key, "expired", timeout_s=90)
     assert lease["retained_tokens"] == 0
-    assert httpx.get(f"{d.control}/handles/{key}", timeout=10).status_code == 410
+    assert CONTROL.get(f"{d.control}/handles/{key}", timeout=10).status_code == 410
     # Forwarding the handle anyway: P declines (expiry passed) and recomputes.
     prompt2 = prompt + out1 + tokens(20, seed=6)
     key2 = f"k-{uuid.uuid4().hex[:8]}"
@@ -320,15 +329,15 @@ def test_renewed_lease_is_read_where_the_old_expiry_is_refused(
     _, out1 = turn(p, d, prompt, key=key, max_tokens=20)
     handle = fetch_handle(d, key)["kv_transfer_params"]
     # The handle as it looked when the lease had 3 s left: inside P's 5 s read margin.
-    d_now = httpx.get(f"{d.control}/status", timeout=10).json()["perf_counter"]
+    d_now = CONTROL.get(f"{d.control}/status", timeout=10).json()["perf_counter"]
     old = dict(handle, remote_blocks_expiry_time=d_now + 3)
     prompt2 = prompt + out1 + tokens(10, seed=8)
     key_refused = f"k-{uuid.uuid4().hex[:8]}"
     refused, _ = turn(p, d, prompt2, handle=old, key=key_refused, max_tokens=1)
     assert refused["kvtether_pull"] == "failed"  # declined, recomputed; D was not told
     release(d, key_refused)
-    assert httpx.get(f"{d.control}/leases/{key}", timeout=10).json()["state"] == "active"
-    renewed = httpx.post(f"{d.control}/leases/{key}/renew", json={"ttl_s": 300}, timeout=30)
+    assert CONTROL.get(f"{d.control}/leases/{key}", timeout=10).json()["state"] == "active"
+    renewed = CONTROL.post(f"{d.control}/leases/{key}/renew", json={"ttl_s": 300}, timeout=30)
     assert renewed.status_code == 200, renewed.text
     fresh = fetch_handle(d, key)["kv_transfer_params"]
     assert fresh["remote_blocks_expiry_time"] == renewed.json()["remote_blocks_expiry_time"]
@@ -336,6 +345,6 @@ def test_renewed_lease_is_read_where_the_old_expiry_is_refused(
     p_params, _ = turn(p, d, prompt2, handle=fresh, key=key2, max_tokens=8)
     assert p_params["kvtether_pull"] == "pulled" and p_params["kvtether_reused_tokens"] > 0
     release(d, key2)
-    counters = httpx.get(f"{d.control}/status", timeout=10).json()["counters"]
+    counters = CONTROL.get(f"{d.control}/status", timeout=10).json()["counters"]
     assert counters["leases_renewed"] >= 1 and counters["leases_consumed"] >= 1
-    assert "kvtether_connector_active_leases" in httpx.get(f"{d.control}/metrics").text
+    assert "kvtether_connector_active_leases" in CONTROL.get(f"{d.control}/metrics").text

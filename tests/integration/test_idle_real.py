@@ -19,8 +19,8 @@ from tests.integration.test_leases_real import Conv, _lease
 pytestmark = pytest.mark.vllm
 
 
-def _idle(url: str) -> dict:
-    status = httpx.get(f"{url}/kvtether/v1/status", timeout=10).json()
+def _idle(url: str, headers: dict[str, str]) -> dict:
+    status = httpx.get(f"{url}/kvtether/v1/status", headers=headers, timeout=10).json()
     assert status["idle"] is not None, "the engine does not run IdleSleepScheduler"
     return status
 
@@ -31,10 +31,10 @@ def test_an_engine_that_only_holds_kv_sleeps(pd_stack, reference_vllm):
     assert c.turn() == "fired"
     control = pd_stack.decode_control_urls[0]
     time.sleep(0.5)  # the turn's own bookkeeping steps
-    before = _idle(control)
+    before = _idle(control, pd_stack.control_headers)
     assert before["totals"]["active_leases"] >= 1
     time.sleep(3.0)
-    after = _idle(control)
+    after = _idle(control, pd_stack.control_headers)
     assert after["totals"]["active_leases"] >= 1  # the KV is still held...
     steps = after["idle"]["engine_steps"] - before["idle"]["engine_steps"]
     # ...and the engine took a handful of steps at most (a tick is 5 s; another test's lease

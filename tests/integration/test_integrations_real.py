@@ -56,7 +56,8 @@ def _router_status(url: str, cid: str) -> dict[str, Any]:
 
 
 def _lease_state(stack: Any, key: str) -> str:
-    r = httpx.get(f"{stack.decode_control_urls[0]}/kvtether/v1/leases/{key}", timeout=10)
+    r = httpx.get(f"{stack.decode_control_urls[0]}/kvtether/v1/leases/{key}",
+                  headers=stack.control_headers, timeout=10)
     body = r.json()
     return body["state"] if r.status_code == 200 else body.get("lease", {}).get("state", "unknown")
 

@@ -78,14 +78,16 @@ class Conv:
 
 
 def _lease(stack, key: str) -> dict:
-    r = httpx.get(f"{stack.decode_control_urls[0]}/kvtether/v1/leases/{key}", timeout=10)
+    r = httpx.get(f"{stack.decode_control_urls[0]}/kvtether/v1/leases/{key}",
+                  headers=stack.control_headers, timeout=10)
     if r.status_code == 200:
         return r.json()
     return r.json().get("lease", {"state": "unknown", "reply": r.json()})
 
 
 def _all_leases(stack) -> dict:
-    return httpx.get(f"{stack.decode_control_urls[0]}/kvtether/v1/leases", timeout=10).json()
+    return httpx.get(f"{stack.decode_control_urls[0]}/kvtether/v1/leases",
+                     headers=stack.control_headers, timeout=10).json()
 
 
 def test_heartbeats_keep_kv_through_a_long_tool(short_lease, reference_vllm):

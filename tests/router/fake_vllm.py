@@ -120,6 +120,55 @@ def render_chat(messages: list[dict[str, Any]], add_generation_prompt: bool = Tr
     return ids
 
 
+def invalid_request(body: Any, chat: bool) -> str | None:
+    """What vLLM's request validation refuses (with 400) among what this fake reads."""
+    if not isinstance(body, dict):
+        return "request body must be an object"
+
+    def typed(name: str, *types: type, minimum: int | None = None) -> str | None:
+        value = body.get(name)
+        if value is None:
+            return None
+        if not isinstance(value, types) or (bool in (type(value),) and bool not in types):
+            return f"{name}: wrong type"
+        if minimum is not None and value < minimum:
+            return f"{name}: must be at least {minimum}"
+        return None
+
+    for problem in (typed("model", str), typed("max_tokens", int, minimum=1),
+                    typed("max_completion_tokens", int, minimum=1), typed("n", int, minimum=1),
+                    typed("stream", bool), typed("stream_options", dict),
+                    typed("return_token_ids", bool), typed("add_generation_prompt", bool),
+                    typed("temperature", int, float), typed("tools", list)):
+        if problem:
+            return problem
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return None  # answered by the caller's own check
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                return "messages: each message needs a string role"
+            content = m.get("content")
+            if content is not None and not isinstance(content, (str, list)):
+                return "messages: content must be a string or a list of parts"
+            if isinstance(content, list) and not all(isinstance(x, dict) for x in content):
+                return "messages: content parts must be objects"
+            calls = m.get("tool_calls")
+            if calls is not None and (not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function", {}), dict)
+                    for c in calls)):
+                return "messages: tool_calls must be a list of objects"
+    elif "prompt" in body:
+        prompt = body["prompt"]
+        ok = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and (
+            all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+            or all(isinstance(t, str) for t in prompt)))
+        if not ok:
+            return "prompt: must be a string, a list of strings or a list of token ids"
+    return None
+
+
 def prompt_ids_of(body: dict[str, Any], chat: bool) -> list[int]:
     if chat:
         return render_chat(body["messages"], bool(body.get("add_generation_prompt", True)))
@@ -361,7 +410,7 @@ class FakeVLLM:
         max_model_len: int = MAX_MODEL_LEN, delay_s: float = 0.0, queue_delay_s: float = 0.0,
         decoder_kv_blocks_ttl_s: float = 480.0, kv_recompute_threshold: int = 16,
         read_margin_s: float = p.PREFILL_READ_MARGIN_S, kvtether_connector: bool = False,
-        output_words: int | None = None,
+        output_words: int | None = None, control_secret: str | None = None,
     ) -> None:
         self.cluster = cluster
         self.name = name
@@ -370,6 +419,7 @@ class FakeVLLM:
         self.url = f"http://{host}:{port}"
         self.control = control
         self.control_url = f"http://{host}-control:{port + 1000}" if control else None
+        self.control_secret = control_secret  # like KVTETHER_CONTROL_SECRET on the connector
         self.side_channel_port = side_channel_port
         self.engine_id = f"{name}-{uuid.uuid4()}"
         self.max_model_len = max_model_len
@@ -492,10 +542,12 @@ class FakeVLLM:
         self.tokenize_calls += 1
         body = await request.json()
         try:
+            if (problem := invalid_request(body, chat="messages" in body)) is not None:
+                return vllm_error(problem)
             if body.get("model") not in (None, MODEL):
                 return _model_not_found(body["model"])
             ids = prompt_ids_of(body, chat="messages" in body)
-        except (KeyError, ValueError, TypeError) as exc:
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
             return vllm_error(f"invalid tokenize request: {exc!r}")
         return JSONResponse({"count": len(ids), "max_model_len": self.max_model_len,
                              "tokens": ids, "token_strs": None})
@@ -507,6 +559,8 @@ class FakeVLLM:
             body = await request.json()
         except json.JSONDecodeError as exc:
             return vllm_error(f"JSON decode error: {exc}")
+        if (problem := invalid_request(body, chat)) is not None:
+            return vllm_error(problem)  # vLLM's pydantic request models answer 400
         self.requests.append(Received(endpoint, body, dict(request.headers)))
         self.inflight += 1
         self.max_inflight = max(self.max_inflight, self.inflight)
@@ -798,6 +852,10 @@ class FakeVLLM:
     # ------------------------------------------------------------------ control channel
     def _ctl(self, request: Request) -> Response | None:
         self.control_calls.append((request.method, request.url.path))
+        if self.control_secret is not None and \
+                request.headers.get("authorization") != f"Bearer {self.control_secret}":
+            return JSONResponse(p.error_body("missing or wrong control-channel secret",
+                                             "authentication_error"), status_code=401)
         if self._control_failures:
             status = self._control_failures.pop(0)
             return JSONResponse(p.error_body("control channel failure", "server_error"),

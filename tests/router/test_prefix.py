@@ -135,3 +135,15 @@ async def test_unforwarded_handle_is_released_when_replaced(hc: Harness) -> None
     assert await hc.metric("kvtether_active_leases") == 1
     assert len(hc.d.held_leases()) == 1
     assert old_key in hc.d.releases
+
+
+async def test_completions_with_a_messages_field_are_checked_by_their_prompt(h: Harness) -> None:
+    # Found by tests/router/test_fuzz.py: /v1/completions reads `prompt`; tokenizing the body's
+    # `messages` instead checked the wrong prompt against D's KV, and P read KV that differed.
+    a = h.conversation("mixed")
+    await a.say("turn 0: " + " ".join(f"detail{j}" for j in range(40)))
+    t = await h.post("/v1/completions", {
+        "model": "tiny", "messages": a.messages, "max_tokens": 2,
+        "prompt": "a different prompt entirely " * 10}, conv="mixed")
+    assert t.status == 200 and t.outcome != "fired"
+    h.assert_kv_correct()

@@ -211,3 +211,11 @@ def test_reference_reports_cached_tokens_with_or_without_prefix_caching(caching:
     assert "--enable-prompt-tokens-details" in argv
     assert ("--no-enable-prefix-caching" in argv) is not caching
     assert "--kv-transfer-config" not in argv
+def test_control_channel_secret_and_host_reach_vllm_in_env_and_config() -> None:
+    settings = StackSettings(connector="kvtether", control_host="127.0.0.2")
+    cmd = VllmCommands("py").command(_plan(control_secret="shh"), settings)
+    assert cmd.env["KVTETHER_CONTROL_SECRET"] == "shh"
+    assert not any("shh" in a for a in cmd.argv)
+    extra = json.loads(_flag(cmd.argv, "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert extra["kvtether_control_host"] == "127.0.0.2"
+    assert "shh" not in repr(_plan(control_secret="shh"))

@@ -212,3 +212,21 @@ def test_signals_deferred_holds_ctrl_c_until_the_block_ends() -> None:
     assert steps == ["still stopping", "stopped"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     signal.signal(signal.SIGINT, previous)
+
+
+def test_each_stack_gets_a_fresh_control_secret_for_its_instances_and_router(
+    fake_settings: StackSettings,
+) -> None:
+    secrets = []
+    for _ in range(2):
+        commands = FakeCommands()
+        with Stack(_with(fake_settings, connector="kvtether"), commands=commands) as stack:
+            assert stack.control_secret and len(stack.control_secret) >= 32
+            assert {p.control_secret for p in commands.plans} == {stack.control_secret}
+            router = next(p for p in commands.plans if p.role == "router")
+            assert all(u.startswith("http://127.0.0.1:") for u in router.decode_control_urls)
+            secrets.append(stack.control_secret)
+    assert secrets[0] != secrets[1]
+    chosen = _with(fake_settings, connector="kvtether", control_secret="mine")
+    with Stack(chosen, commands=FakeCommands()) as stack:
+        assert stack.control_secret == "mine"

@@ -11,14 +11,17 @@ from pydantic import ValidationError
 from pydantic_settings import CliApp
 
 from kvtether.cli import RouterCommand
-from kvtether.router.settings import RetentionSettings, RouterSettings
+from kvtether.router.settings import AccessSettings, RetentionSettings, RouterSettings
 from kvtether.stack._commands import InstancePlan, VllmCommands, router_values
 from kvtether.stack.settings import StackSettings
 
 # Stack setting → the router setting it becomes; everything else the router gets comes from the
 # stack's plan (where the router listens, which instances it routes to).
 FORWARDED = {name: name for name in RetentionSettings.model_fields}
+FORWARDED.update({name: name for name in AccessSettings.model_fields if name != "api_key"})
 FORWARDED["block_size_tokens"] = "kv_block_size_tokens"
+# Forwarded in the router's environment, never on its command line.
+SECRET = {"api_key": "KVTETHER_ROUTER_API_KEY"}
 FROM_PLAN = {"host", "port", "prefill_urls", "decode_urls"}
 PROBES: list[Any] = [-1, 0, 0.5, 1, 16, 10**9, None, "x", float("inf")]
 
@@ -78,6 +81,10 @@ def test_the_router_command_line_round_trips_every_forwarded_value() -> None:
         "decoder_kv_blocks_ttl_s": 0.5,
         "lease_ttl_s": 7,
         "max_retained_tokens": 1,
+        "max_retained_tokens_per_tenant": 3,
+        "api_key_file": Path("/etc/kvtether/keys"),
+        "metrics_require_api_key": True,
+        "max_request_body_bytes": 2048,
         "block_size_tokens": 1,
         "reuse_policy": "upstream",
     }
@@ -87,6 +94,25 @@ def test_the_router_command_line_round_trips_every_forwarded_value() -> None:
     parsed = CliApp.run(RouterCommand, cli_args=argv[4:], cli_cmd_method_name="no_such_method")
     for stack_name, router_name in FORWARDED.items():
         assert getattr(parsed, router_name) == chosen[stack_name], router_name
+
+
+def test_secrets_reach_the_router_in_its_environment_only() -> None:
+    from dataclasses import replace
+
+    settings = StackSettings(api_key="the-key")
+    command = VllmCommands("py").command(replace(_plan(), control_secret="ctl"), settings)
+    assert not any("the-key" in a or "ctl" in a for a in command.argv)
+    assert command.env["KVTETHER_ROUTER_API_KEY"] == "the-key"
+    assert command.env["KVTETHER_ROUTER_CONTROL_SECRET"] == "ctl"
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in command.env.items():
+            mp.setenv(name, value)
+        parsed = CliApp.run(RouterCommand, cli_args=command.argv[4:],
+                            cli_cmd_method_name="no_such_method")
+    assert parsed.api_key is not None and parsed.api_key.get_secret_value() == "the-key"
+    assert parsed.control_secret is not None
+    assert parsed.control_secret.get_secret_value() == "ctl"
+    assert set(SECRET) | set(FORWARDED) >= set(AccessSettings.model_fields)
 
 
 def test_each_model_keeps_its_env_prefix_for_the_shared_settings(

@@ -69,3 +69,26 @@ def test_a_failing_router_is_logged_not_raised(caplog: pytest.LogCaptureFixture)
     assert not report.fired and report.conversations == 2
     assert "503" in caplog.text
     assert [m for m, _, _ in seen].count("DELETE") == 2
+
+
+def test_sends_the_stacks_api_key_on_every_call() -> None:
+    auth: list[str | None] = []
+    inner = _router(["miss:first_turn", "fired"], [])
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        auth.append(request.headers.get("authorization"))
+        return inner.handle_request(request)
+
+    report = warm_up("http://router", "tiny", api_key="k1", transport=httpx.MockTransport(handle))
+    assert report.fired and auth == ["Bearer k1"] * 3  # two turns and the release
+
+
+def test_stack_warm_up_uses_the_first_key_of_the_key_file(tmp_path) -> None:  # noqa: ANN001
+    from kvtether.stack.launcher import _client_api_key
+    from kvtether.stack.settings import StackSettings
+
+    keys = tmp_path / "keys"
+    keys.write_text("ops first-key\nbob second-key\n")
+    assert _client_api_key(StackSettings(api_key_file=keys)) == "first-key"
+    assert _client_api_key(StackSettings(api_key_file=keys, api_key="solo")) == "solo"
+    assert _client_api_key(StackSettings()) is None

@@ -188,3 +188,19 @@ def test_router_unreachable_agent_still_answers_with_one_warning(
         assert all(r.heartbeat_failures >= 1 for r in session.tool_runs)
     logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len([m for m in logged if "heartbeat" in m]) == 1, logged
+
+
+def test_the_models_key_or_the_middlewares_goes_on_heartbeats_and_release(
+    router: FakeRouter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVTETHER_API_KEY", raising=False)
+    for key, expected in ((None, "Bearer test"), ("tenant-key", "Bearer tenant-key")):
+        script(router)
+        middleware = KVTetherMiddleware(api_key=key, base_url=router.url)
+        agent = create_agent(chat_model(router), [add], middleware=[middleware])
+        agent.invoke({"messages": [("user", "add 1 and 2")]}, THREAD)
+        middleware.pool.close()
+        session_calls = [r.headers.get("authorization") for r in router.received
+                         if r.path.startswith("/v1/sessions/")]
+        assert len(session_calls) >= 2  # heartbeats while `add` ran, then the release
+        assert set(session_calls) == {expected}

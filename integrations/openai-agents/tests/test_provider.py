@@ -357,3 +357,25 @@ def test_public_names() -> None:
         ["KVTetherProvider", "KVTetherHooks", "UnsupportedAgentsVersionError", "SUPPORTED_RANGE"]
     )
     assert FAST.heartbeat_interval_s == 0.05
+
+
+async def test_the_routers_key_goes_on_model_requests_heartbeats_and_release(
+    router: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVTETHER_API_KEY", raising=False)
+
+    @function_tool
+    async def slow_grep(pattern: str) -> str:
+        """Search slowly."""
+        await asyncio.sleep(0.3)
+        return "1 match"
+
+    router.lease_remaining_s = 30.0
+    async with KVTetherProvider(router.url, api_key="tenant-key", settings=FAST) as kv:
+        script(router, "slow_grep")
+        await Runner.run(agent(slow_grep), "fix it", run_config=RunConfig(model_provider=kv),
+                         hooks=kv.hooks)
+    sent = [(r.path, r.headers.get("authorization")) for r in router.received]
+    assert any(p.endswith("/heartbeat") for p, _ in sent)
+    assert any(p.startswith("/v1/sessions/") and not p.endswith("/heartbeat") for p, _ in sent)
+    assert {auth for _, auth in sent} == {"Bearer tenant-key"}

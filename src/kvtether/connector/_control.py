@@ -14,10 +14,17 @@ Why HTTP on a thread of its own, in the engine-core process:
   step. Reads (status, listings, handle long-polls) never wait for the loop.
 
 Routes and bodies are the wire contract in :mod:`kvtether.protocol` (``CONTROL_API_PREFIX``).
+
+What it trusts: with a secret (``KVTETHER_CONTROL_SECRET``, which ``kvtether stack up``
+generates and gives to the router too) every request must carry ``Authorization: Bearer
+<secret>``, or it gets 401 and the connection is closed before its body is read. Without one it
+serves only a loopback address (see ``ConnectorSettings``). Bodies over
+``kvtether_control_max_body_bytes`` get 413; every error is OpenAI-style JSON.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import math
@@ -44,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0
 _MAX_BODY_BYTES = 64 * 1024
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found",
+                405: "invalid_request_error", 411: "invalid_request_error",
+                413: "invalid_request_error", 414: "invalid_request_error"}
 
 
 class ControlServer:
@@ -55,10 +65,15 @@ class ControlServer:
         status: Callable[[], ConnectorStatus],
         host: str,
         port: int,
+        *,
+        secret: str | None = None,
+        max_body_bytes: int = _MAX_BODY_BYTES,
     ) -> None:
         self._httpd = _Server((host, port), _Handler)
         self._httpd.table = table
         self._httpd.status = status
+        self._httpd.secret = f"Bearer {secret}".encode() if secret else None
+        self._httpd.max_body_bytes = max_body_bytes
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
             name="kvtether-control", daemon=True,
@@ -70,8 +85,10 @@ class ControlServer:
 
     def start(self) -> None:
         self._thread.start()
-        logger.info("kvtether control channel on http://%s:%d%s",
-                    self._httpd.server_address[0], self.port, CONTROL_API_PREFIX)
+        logger.info("kvtether control channel on http://%s:%d%s (%s)",
+                    self._httpd.server_address[0], self.port, CONTROL_API_PREFIX,
+                    "shared secret required" if self._httpd.secret else
+                    "no secret: loopback only")
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -85,6 +102,8 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
     table: LeaseTable
     status: Callable[[], ConnectorStatus]
+    secret: bytes | None  # the whole expected Authorization value
+    max_body_bytes: int
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -100,17 +119,62 @@ class _Handler(BaseHTTPRequestHandler):
     def do_DELETE(self) -> None:  # noqa: N802
         self._dispatch("DELETE")
 
+    def do_PUT(self) -> None:  # noqa: N802 - no such route, but a JSON 404, not http.server's 501
+        self._dispatch("PUT")
+
+    def do_PATCH(self) -> None:  # noqa: N802
+        self._dispatch("PATCH")
+
+    def do_OPTIONS(self) -> None:  # noqa: N802
+        self._dispatch("OPTIONS")
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         logger.debug("control %s - " + format, self.address_string(), *args)
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (malformed request line, headers too long): JSON too."""
+        self.close_connection = True
+        text = message or self.responses.get(code, ("request refused",))[0]
+        self._json(Reply(code, error_body(text, _ERROR_TYPES.get(code, "invalid_request_error"))))
+
     def _dispatch(self, method: str) -> None:
+        self._raw = b""
         try:
+            self._check_secret()
+            self._raw = self._read_body()
             self._route(method)
-        except _BadRequest as exc:
-            self._json(Reply(400, error_body(str(exc), "invalid_request_error")))
+        except _Refused as exc:
+            if exc.close:  # never reopen a connection the client asked to close
+                self.close_connection = True
+            self._json(Reply(exc.status, error_body(
+                str(exc), _ERROR_TYPES.get(exc.status, "invalid_request_error"), code=exc.code)))
         except Exception:  # keep the listener alive whatever a handler does
             logger.exception("kvtether control channel: %s %s failed", method, self.path)
             self._json(Reply(500, error_body("internal error", "server_error")))
+
+    def _check_secret(self) -> None:
+        expected = self.server.secret
+        if expected is None:
+            return
+        given = (self.headers.get("Authorization") or "").strip().encode("latin-1", "replace")
+        if not hmac.compare_digest(given, expected):
+            # Its body is not read: close the connection instead of parsing the rest.
+            raise _Refused(401, "missing or wrong control-channel secret: send 'Authorization: "
+                                "Bearer <KVTETHER_CONTROL_SECRET>'", code="invalid_control_secret",
+                           close=True)
+
+    def _read_body(self) -> bytes:
+        """The whole body, read before routing so a kept-alive connection stays in step."""
+        if self.headers.get("Transfer-Encoding"):
+            raise _Refused(411, "send the body with a Content-Length", close=True)
+        length_text = (self.headers.get("Content-Length") or "0").strip()
+        if not length_text.isdigit():
+            raise _Refused(400, "Content-Length must be a non-negative integer", close=True)
+        length = int(length_text)
+        if length > self.server.max_body_bytes:
+            raise _Refused(413, f"body larger than {self.server.max_body_bytes} bytes",
+                           code="request_too_large", close=True)
+        return self.rfile.read(length) if length else b""
 
     def _route(self, method: str) -> None:
         url = urlsplit(self.path)
@@ -137,12 +201,8 @@ class _Handler(BaseHTTPRequestHandler):
         return self._json(Reply(404, error_body(f"no route {method} {url.path}", "not_found")))
 
     def _body(self, model: type[LeaseRenewRequest]) -> LeaseRenewRequest:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > _MAX_BODY_BYTES:
-            raise _BadRequest(f"body larger than {_MAX_BODY_BYTES} bytes")
-        raw = self.rfile.read(length) if length else b"{}"
         try:
-            return model.model_validate_json(raw)
+            return model.model_validate_json(self._raw or b"{}")
         except ValidationError as exc:
             raise _BadRequest(f"invalid body: {first_field_error(exc)}") from None
 
@@ -156,12 +216,26 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(payload)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(payload)
 
 
-class _BadRequest(ValueError):
-    pass
+class _Refused(Exception):
+    """Answer with ``status`` and this message (OpenAI-style JSON)."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None,
+                 close: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.close = close  # the rest of the request was not read: end the connection
+
+
+class _BadRequest(_Refused):
+    def __init__(self, message: str) -> None:
+        super().__init__(400, message)
 
 
 def _wait_s(query: str) -> float:

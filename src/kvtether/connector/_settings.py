@@ -2,23 +2,37 @@
 
 Upstream keys in the same dict (``bidirectional_kv_xfer``, ``kv_recompute_threshold``,
 ``decoder_kv_blocks_ttl``, ...) keep their upstream meaning; the connector reads only its own.
+
+The control channel's shared secret is read from the environment only
+(``KVTETHER_CONTROL_SECRET``): ``kv_connector_extra_config`` is on vLLM's command line, which
+every user of the host can read.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from kvtether.errors import ConfigError
-from kvtether.protocol import first_field_error
+from kvtether.protocol import CONTROL_SECRET_ENV, first_field_error
 
-__all__ = ["ConnectorSettings", "CONTROL_PORT_ENV"]
+__all__ = ["ConnectorSettings", "CONTROL_PORT_ENV", "CONTROL_SECRET_ENV", "is_loopback"]
 
 # Fallback for the control port when extra_config has none (set by `kvtether stack`).
 CONTROL_PORT_ENV = "KVTETHER_CONTROL_PORT"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class ConnectorSettings(BaseModel):
@@ -28,9 +42,19 @@ class ConnectorSettings(BaseModel):
         default=None, ge=1, le=65535, alias="kvtether_control_port",
         description="HTTP control channel port (scheduler role only); none = no listener.",
     )
-    control_host: str | None = Field(
-        default=None, alias="kvtether_control_host",
-        description="Bind address; default VLLM_NIXL_SIDE_CHANNEL_HOST.",
+    control_host: str = Field(
+        default="127.0.0.1", alias="kvtether_control_host",
+        description="Bind address of the control channel; another than loopback needs "
+        "KVTETHER_CONTROL_SECRET.",
+    )
+    control_secret: SecretStr | None = Field(
+        default=None, alias=CONTROL_SECRET_ENV,
+        description="Shared secret every control request must carry as 'Authorization: "
+        "Bearer <secret>'; from the environment only.",
+    )
+    control_max_body_bytes: int = Field(
+        default=64 * 1024, ge=256, alias="kvtether_control_max_body_bytes",
+        description="Control requests with a larger body get 413.",
     )
     lease_ttl_s: float | None = Field(
         default=None, gt=0, allow_inf_nan=False, alias="kvtether_lease_ttl_s",
@@ -74,6 +98,17 @@ class ConnectorSettings(BaseModel):
     )
     role: str | None = Field(default=None, alias="kvtether_role", description="Informational.")
 
+    @model_validator(mode="after")
+    def _open_only_on_loopback(self) -> ConnectorSettings:
+        if self.control_port is not None and self.control_secret is None \
+                and not is_loopback(self.control_host):
+            raise ValueError(
+                f"kvtether_control_host {self.control_host} is not loopback: set "
+                f"{CONTROL_SECRET_ENV} in vLLM's environment (`kvtether stack up` does), or "
+                "anyone who reaches that port can renew and release leases"
+            )
+        return self
+
     @classmethod
     def from_extra_config(
         cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
@@ -82,8 +117,13 @@ class ConnectorSettings(BaseModel):
         env = os.environ if env is None else env
         if data.get("kvtether_control_port") is None and env.get(CONTROL_PORT_ENV):
             data["kvtether_control_port"] = env[CONTROL_PORT_ENV]
+        if env.get(CONTROL_SECRET_ENV):
+            data[CONTROL_SECRET_ENV] = env[CONTROL_SECRET_ENV]
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
             err = first_field_error(exc)
+            if not err.path:  # a rule over several settings: its message says it all
+                raise ConfigError(f"invalid kvtether connector settings: {err.cause or err.msg}"
+                                  ) from None
             raise ConfigError(f"invalid kv_connector_extra_config.{err} (got {err.input!r})") from None

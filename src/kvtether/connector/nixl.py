@@ -123,9 +123,14 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
         if self.settings.control_port is not None:
             # Like the NIXL side channel: one port per data-parallel rank.
             port = self.settings.control_port + vllm_config.parallel_config.data_parallel_index
-            host = self.settings.control_host or self.side_channel_host
+            host = self.settings.control_host
+            secret = self.settings.control_secret
             try:
-                self._control = ControlServer(self.leases, self.status, host, port)
+                self._control = ControlServer(
+                    self.leases, self.status, host, port,
+                    secret=secret.get_secret_value() if secret else None,
+                    max_body_bytes=self.settings.control_max_body_bytes,
+                )
             except OSError as exc:
                 raise ConfigError(
                     f"kvtether control channel cannot listen on {host}:{port} ({exc}); "

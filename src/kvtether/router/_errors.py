@@ -13,6 +13,8 @@ __all__ = ["RouterHTTPError", "UpstreamError", "error_response"]
 
 _TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     409: "conflict_error",
     410: "gone_error",

@@ -6,12 +6,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import uuid
 from typing import Any
 
 import httpx
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -20,6 +22,7 @@ from kvtether import protocol as p
 from kvtether.router._clock import Clock, SystemClock
 from kvtether.router._deps import RouterDeps
 from kvtether.router._errors import RouterHTTPError, UpstreamError, error_response
+from kvtether.router.access import AccessMiddleware, KeyRing, tenant_of
 from kvtether.router.backends import BackendPool
 from kvtether.router.conversations import ConversationStore, InMemoryConversationStore
 from kvtether.router.leases import LeaseClient
@@ -46,6 +49,7 @@ def create_app(
     that leases, idle times and turn records are measured with (both for tests).
     """
     clock = clock or SystemClock()
+    keys = KeyRing.from_settings(settings)  # a bad key file fails here, before serving
     pool = BackendPool(settings, transport)
     metrics = RouterMetrics()
     background: set[asyncio.Task] = set()
@@ -61,7 +65,8 @@ def create_app(
     store = store or InMemoryConversationStore(
         settings.max_conversations, release_dropped, clock.now_unix_s
     )
-    deps = RouterDeps(settings, pool, store, LeaseClient(), metrics, clock)
+    secret = settings.control_secret.get_secret_value() if settings.control_secret else None
+    deps = RouterDeps(settings, pool, store, LeaseClient(control_secret=secret), metrics, clock)
     retention = Retention(deps)
     runner = TurnRunner(deps, retention)
     sessions = SessionAPI(deps, retention)
@@ -102,7 +107,9 @@ def create_app(
             body.pop(field, None)
         # kv_transfer_params is the router's to set; a client's would bypass the prefix check.
         body.pop("kv_transfer_params", None)
-        return await runner.run(TurnRequest(endpoint, body, conversation_id, hints))
+        return await runner.run(
+            TurnRequest(endpoint, body, conversation_id, hints, tenant=tenant_of(request))
+        )
 
     async def models(request: Request) -> Response:
         for b in pool.prefill:
@@ -162,6 +169,10 @@ def create_app(
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
+        middleware=[Middleware(
+            AccessMiddleware, keys=keys, settings=settings,
+            on_error=lambda status: metrics.errors.labels(str(status)).inc(),
+        )],
         exception_handlers={
             RouterHTTPError: _counted(_router_error, metrics),
             HTTPException: _counted(_http_error, metrics),
@@ -246,5 +257,13 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    logger.exception("unhandled error on %s %s", request.method, request.url.path)
-    return error_response(500, f"internal router error: {exc!r}")
+    # The detail goes to the log, under an id the client can quote; never to the client.
+    request_id = uuid.uuid4().hex
+    logger.error("unhandled error on %s %s (request id %s)", request.method, request.url.path,
+                 request_id, exc_info=exc)
+    response = error_response(
+        500, f"internal router error (request id {request_id}; the router's log has the "
+             "details)", code="internal_error",
+    )
+    response.headers["X-Request-Id"] = request_id
+    return response

@@ -3,6 +3,8 @@
 State sits behind :class:`ConversationStore` so that a shared (e.g. Redis-backed) table can
 replace :class:`InMemoryConversationStore` when several router replicas serve one deployment.
 Turns of one conversation are serialised by a per-conversation lock held by the router.
+Conversations are keyed by (tenant, conversation id): a tenant's id never finds another
+tenant's conversation (the anonymous tenant, ``""``, is the only one without API keys).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class RetainedKV:
 @dataclass
 class Conversation:
     conversation_id: str
+    tenant: str = ""  # who created it (router.access); only that tenant's requests find it
     decode_instance: str | None = None
     retained: RetainedKV | None = None
     # Why there is no retained KV right now (released, evicted, expired...), for the next turn.
@@ -55,6 +58,10 @@ class Conversation:
     phase: Phase | None = None
     expected_next_prompt_tokens: int | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.tenant, self.conversation_id)
 
     @property
     def next_turn(self) -> int:
@@ -97,11 +104,11 @@ class Conversation:
 class ConversationStore(Protocol):
     """What the router needs from a conversation table."""
 
-    def get(self, conversation_id: str) -> Conversation | None: ...
+    def get(self, conversation_id: str, tenant: str = "") -> Conversation | None: ...
 
-    def get_or_create(self, conversation_id: str) -> Conversation: ...
+    def get_or_create(self, conversation_id: str, tenant: str = "") -> Conversation: ...
 
-    def delete(self, conversation_id: str) -> Conversation | None: ...
+    def delete(self, conversation_id: str, tenant: str = "") -> Conversation | None: ...
 
     def values(self) -> list[Conversation]: ...
 
@@ -117,34 +124,34 @@ class InMemoryConversationStore:
         on_drop: Callable[[Conversation], None] | None = None,
         now_unix_s: Callable[[], float] = time.time,
     ) -> None:
-        self._items: OrderedDict[str, Conversation] = OrderedDict()
+        self._items: OrderedDict[tuple[str, str], Conversation] = OrderedDict()
         self._max = max_conversations
         self._on_drop = on_drop  # frees what a dropped conversation still holds
         self._now_unix_s = now_unix_s  # the router's clock, for new conversations' timestamps
 
-    def get(self, conversation_id: str) -> Conversation | None:
-        conv = self._items.get(conversation_id)
+    def get(self, conversation_id: str, tenant: str = "") -> Conversation | None:
+        conv = self._items.get((tenant, conversation_id))
         if conv is not None:
-            self._items.move_to_end(conversation_id)
+            self._items.move_to_end(conv.key)
         return conv
 
-    def get_or_create(self, conversation_id: str) -> Conversation:
-        conv = self.get(conversation_id)
+    def get_or_create(self, conversation_id: str, tenant: str = "") -> Conversation:
+        conv = self.get(conversation_id, tenant)
         if conv is None:
-            conv = Conversation(conversation_id, last_active_unix_s=self._now_unix_s())
-            self._items[conversation_id] = conv
+            conv = Conversation(conversation_id, tenant, last_active_unix_s=self._now_unix_s())
+            self._items[conv.key] = conv
             while len(self._items) > self._max:
                 _, dropped = self._items.popitem(last=False)
                 if dropped.lock.locked():  # in use: keep it, drop the next oldest instead
-                    self._items[dropped.conversation_id] = dropped
-                    self._items.move_to_end(dropped.conversation_id, last=False)
+                    self._items[dropped.key] = dropped
+                    self._items.move_to_end(dropped.key, last=False)
                     break
                 if self._on_drop is not None:
                     self._on_drop(dropped)
         return conv
 
-    def delete(self, conversation_id: str) -> Conversation | None:
-        return self._items.pop(conversation_id, None)
+    def delete(self, conversation_id: str, tenant: str = "") -> Conversation | None:
+        return self._items.pop((tenant, conversation_id), None)
 
     def values(self) -> list[Conversation]:
         return list(self._items.values())

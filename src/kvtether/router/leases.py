@@ -39,9 +39,14 @@ class RenewResult:
 
 
 class LeaseClient:
-    def __init__(self, timeout_s: float = 30.0, handle_wait_s: float = 15.0) -> None:
+    def __init__(
+        self, timeout_s: float = 30.0, handle_wait_s: float = 15.0,
+        control_secret: str | None = None,
+    ) -> None:
         self._timeout_s = timeout_s
         self._handle_wait_s = handle_wait_s
+        # The connectors' shared secret (KVTETHER_CONTROL_SECRET), sent on every call.
+        self._headers = {"Authorization": f"Bearer {control_secret}"} if control_secret else {}
 
     async def fetch_handle(self, decode: Backend, key: str | None) -> dict[str, Any] | None:
         """D's handle for a streamed turn (vLLM does not put it in the stream)."""
@@ -52,12 +57,14 @@ class LeaseClient:
             r = await decode.client.get(
                 url,
                 params={"wait_s": self._handle_wait_s},
+                headers=self._headers,
                 timeout=self._timeout_s + self._handle_wait_s,
             )
         except httpx.HTTPError as exc:
             logger.warning("handle fetch from %s failed: %r", decode.name, exc)
             return None
         if r.status_code != 200:
+            _check_refused(decode, r)
             logger.info("no handle published on %s for %s (HTTP %s)", decode.name, key, r.status_code)
             return None
         return r.json().get("kv_transfer_params") or r.json()
@@ -70,11 +77,13 @@ class LeaseClient:
             r = await decode.client.post(
                 f"{decode.control_url}{_PREFIX}/leases/{key}/renew",
                 json={"ttl_s": ttl_s},
+                headers=self._headers,
                 timeout=self._timeout_s,
             )
         except httpx.HTTPError as exc:
             logger.warning("lease renew on %s failed: %r", decode.name, exc)
             return RenewResult(RenewStatus.UNREACHABLE)
+        _check_refused(decode, r)
         if r.status_code in (404, 410):
             return RenewResult(RenewStatus.GONE)
         if r.status_code != 200:
@@ -89,9 +98,18 @@ class LeaseClient:
             return False
         try:
             r = await decode.client.delete(
-                f"{decode.control_url}{_PREFIX}/leases/{key}", timeout=self._timeout_s
+                f"{decode.control_url}{_PREFIX}/leases/{key}", headers=self._headers,
+                timeout=self._timeout_s,
             )
         except httpx.HTTPError as exc:
             logger.warning("lease release on %s failed: %r", decode.name, exc)
             return False
+        _check_refused(decode, r)
         return r.status_code in (200, 204)
+
+
+def _check_refused(decode: Backend, r: httpx.Response) -> None:
+    if r.status_code in (401, 403):
+        logger.error("the control channel of %s refused the router (HTTP %s): its "
+                     "KVTETHER_CONTROL_SECRET and the router's --control-secret differ",
+                     decode.name, r.status_code)

@@ -20,7 +20,10 @@ from kvtether.router.backends import Backend, BackendPool
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PrefillResult", "json_or_502", "open_decode", "prefill", "prompt_ids", "tokenize"]
+__all__ = [
+    "PrefillResult", "failure_kind", "json_or_502", "note_failure", "open_decode", "prefill",
+    "prompt_ids", "tokenize",
+]
 
 # A prefill leg with no handle to read: P computes the prompt and keeps its KV for D.
 _FRESH_PREFILL_PARAMS = {
@@ -55,7 +58,9 @@ async def tokenize(
     prefill: Backend, endpoint: str, body: dict[str, Any]
 ) -> list[int] | None:
     """The new prompt's token ids, exactly as the prefill instance will see them."""
-    if endpoint.endswith("/completions") and "messages" not in body:
+    # By endpoint, as vLLM reads the body: /v1/completions uses `prompt` even when the body
+    # also has `messages` (tokenizing those would check the wrong prompt against D's KV).
+    if not endpoint.endswith("/chat/completions"):
         prompt = body.get("prompt")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt
@@ -93,7 +98,8 @@ async def prefill(
     except httpx.HTTPError as exc:
         note_failure(backend, exc)
         raise RouterHTTPError(
-            502, f"prefill instance {backend.name} failed: {exc!r}", code="upstream_unavailable"
+            502, f"prefill instance {backend.name} failed: {failure_kind(exc)}",
+            code="upstream_unavailable",
         ) from None
     finally:
         backend.inflight -= 1
@@ -150,8 +156,8 @@ async def open_decode(
         except httpx.HTTPError as exc:
             decode.inflight -= 1
             note_failure(decode, exc)
-            raise RouterHTTPError(502, f"decode instance {decode.name} failed: {exc!r}",
-                                  code="upstream_unavailable") from None
+            raise RouterHTTPError(502, f"decode instance {decode.name} failed: "
+                                  f"{failure_kind(exc)}", code="upstream_unavailable") from None
         if upstream.status_code != 200:
             decode.inflight -= 1
             await upstream.aread()
@@ -178,6 +184,17 @@ def json_or_502(raw: bytes, backend: Backend) -> dict[str, Any]:
         raise RouterHTTPError(502, f"{backend.role} instance {backend.name} answered with "
                                    "something that is not a JSON object", code="upstream_error")
     return data
+
+
+def failure_kind(exc: httpx.HTTPError) -> str:
+    """What went wrong with an upstream call, in words fit for a client (no repr, no paths)."""
+    if isinstance(exc, httpx.TimeoutException):
+        return "it did not answer in time"
+    if isinstance(exc, httpx.ConnectError):
+        return "connection refused"
+    if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
+        return "the connection broke off"
+    return "the request could not be completed"
 
 
 def note_failure(backend: Backend, exc: httpx.HTTPError) -> None:

@@ -18,7 +18,7 @@ from kvtether.router._clock import Clock
 from kvtether.router._errors import RouterHTTPError
 from kvtether.router.backends import Backend
 from kvtether.router.conversations import Conversation
-from kvtether.router.legs import json_or_502, prompt_ids
+from kvtether.router.legs import failure_kind, json_or_502, note_failure, prompt_ids
 from kvtether.router.metrics import RouterMetrics
 
 __all__ = ["Settle", "TurnContext", "relay_once", "relay_stream"]
@@ -49,7 +49,8 @@ async def relay_once(ctx: TurnContext, settle: Settle, clock: Clock) -> Response
     try:
         raw = await ctx.upstream.aread()
     except httpx.HTTPError as exc:
-        raise RouterHTTPError(502, f"decode instance {decode.name} failed: {exc!r}",
+        note_failure(decode, exc)
+        raise RouterHTTPError(502, f"decode instance {decode.name} failed: {failure_kind(exc)}",
                               code="upstream_unavailable") from None
     finally:
         decode.inflight -= 1

@@ -37,6 +37,7 @@ class Retention:
         self.s = deps.settings
         self.pool = deps.pool
         self.metrics = deps.metrics
+        self._tenant_tokens: dict[str, int] = {}  # retained tokens per tenant, all instances
 
     # ---------------------------------------------------------------- holding
     def retain(
@@ -57,11 +58,13 @@ class Retention:
         conv.retained = retained
         conv.gone_cause = None
         self._count_in(decode, retained)
+        self._count_tenant(conv, retained.retained_tokens)
 
     def take(self, conv: Conversation) -> RetainedKV | None:
         """Detach the retained KV without freeing it on D (handed to P, or D is gone)."""
         r, conv.retained = conv.retained, None
         if r is not None:
+            self._count_tenant(conv, -r.retained_tokens)
             b = self.pool.by_name(r.decode_instance)
             if b is not None:
                 b.retained_tokens = max(0, b.retained_tokens - r.retained_tokens)
@@ -73,11 +76,22 @@ class Retention:
         """Put back what :meth:`take` detached (P rejected the request before reading)."""
         conv.retained = r
         conv.gone_cause = None
+        self._count_tenant(conv, r.retained_tokens)
         b = self.pool.by_name(r.decode_instance)
         if b is not None:
             self._count_in(b, r)
         else:
             self.metrics.active_leases.inc()
+
+    def _count_tenant(self, conv: Conversation, tokens: int) -> None:
+        held = self._tenant_tokens.get(conv.tenant, 0) + tokens
+        if held > 0:
+            self._tenant_tokens[conv.tenant] = held
+        else:
+            self._tenant_tokens.pop(conv.tenant, None)
+
+    def tenant_retained_tokens(self, tenant: str) -> int:
+        return self._tenant_tokens.get(tenant, 0)
 
     def _count_in(self, b: Backend, r: RetainedKV) -> None:
         b.retained_tokens += r.retained_tokens
@@ -126,11 +140,17 @@ class Retention:
                 await self.expire(conv)
 
     async def enforce_budget(self, conv: Conversation, decode: Backend) -> None:
-        """Keep ``decode`` under ``max_retained_tokens`` after ``conv`` retained on it.
+        """Keep ``conv``'s tenant under ``max_retained_tokens_per_tenant`` and ``decode`` under
+        ``max_retained_tokens`` after ``conv`` retained on it.
 
-        Victims are the least valuable leases (see :mod:`kvtether.router.budget`; why that
-        order differs from the connector's is written in :mod:`kvtether.protocol`).
+        A tenant over its cap loses its own least recently used retained KV (its other
+        conversations', never another tenant's). An instance over its cap loses the least
+        valuable leases (see :mod:`kvtether.router.budget`; why that order differs from the
+        connector's is written in :mod:`kvtether.protocol`).
         """
+        await self._enforce_tenant_cap(conv)
+        if conv.retained is None:  # the turn alone was over the tenant's cap
+            return
         cap = self.s.max_retained_tokens
         if cap is None or decode.retained_tokens <= cap:
             return
@@ -146,6 +166,24 @@ class Retention:
         victims = pick_evictions(others, held, incoming, cap, self.s.lease_ttl_s,
                                  now_unix_s=self.deps.clock.now_unix_s())
         for victim in victims:
+            await self.evict(victim)
+
+    async def _enforce_tenant_cap(self, conv: Conversation) -> None:
+        cap = self.s.max_retained_tokens_per_tenant
+        if cap is None or self.tenant_retained_tokens(conv.tenant) <= cap:
+            return
+        assert conv.retained is not None
+        if conv.retained.retained_tokens > cap:
+            await self.evict(conv)
+            return
+        others = sorted(
+            (c for c in self.deps.store.values()
+             if c.tenant == conv.tenant and c is not conv and c.retained is not None),
+            key=lambda c: c.last_active_unix_s,
+        )
+        for victim in others:
+            if self.tenant_retained_tokens(conv.tenant) <= cap:
+                break
             await self.evict(victim)
 
     # ---------------------------------------------------------------- leases on D

@@ -14,6 +14,7 @@ from starlette.routing import Route
 from kvtether import protocol as p
 from kvtether.router._deps import RouterDeps
 from kvtether.router._errors import RouterHTTPError
+from kvtether.router.access import tenant_of
 from kvtether.router.conversations import Conversation
 from kvtether.router.retention import RenewOutcome, Retention
 
@@ -39,7 +40,8 @@ class SessionAPI:
 
     def _conv(self, request: Request) -> Conversation:
         cid = request.path_params["conversation_id"]
-        conv = self.store.get(cid)
+        # Another tenant's conversation is not found: same answer as an id never used.
+        conv = self.store.get(cid, tenant_of(request))
         if conv is None:
             raise RouterHTTPError(404, f"unknown session {cid!r}: no turn has used this id")
         return conv

@@ -8,13 +8,15 @@ value the stack accepts is a value the router accepts.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = [
-    "BackendSpec", "KVBlockSizeTokens", "RetentionSettings", "ReusePolicy", "RouterSettings",
+    "AccessSettings", "BackendSpec", "KVBlockSizeTokens", "RetentionSettings", "ReusePolicy",
+    "RouterSettings",
 ]
 
 # The stack calls it ``block_size_tokens`` (it is vLLM's --block-size), the router
@@ -70,9 +72,42 @@ class RetentionSettings(BaseModel):
         "bidirectional P/D: round-robin decode, last non-streamed handle forwarded unchecked) "
         "or 'off' (one-way P/D: no KV reuse across turns)",
     )
+    max_retained_tokens_per_tenant: int | None = Field(
+        default=None, ge=1,
+        description="cap on retained KV tokens per tenant (API key owner), over all decode "
+        "instances; past it the tenant's least recently used retained KV is released "
+        "(null: no cap)",
+    )
 
 
-class RouterSettings(RetentionSettings, BaseSettings):
+class AccessSettings(BaseModel):
+    """Who may use the router, and how large a request may be.
+
+    Shared by the router and the stack (``stack up`` forwards them; ``api_key`` through the
+    router's environment, never its command line). With no key configured the router serves
+    one anonymous tenant, as before keys existed.
+    """
+
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="clients must send 'Authorization: Bearer <key>' (tenant 'default'); "
+        "prefer the environment variable to the flag, which other users can see in ps",
+    )
+    api_key_file: Path | None = Field(
+        default=None,
+        description="file of API keys, one 'tenant key' pair per line ('#' starts a comment); "
+        "each tenant owns the conversations its keys create",
+    )
+    metrics_require_api_key: bool = Field(
+        default=False, description="with keys configured, /metrics also needs one (/health never)"
+    )
+    max_request_body_bytes: int = Field(
+        default=4 * 1024 * 1024, ge=1024,
+        description="larger request bodies are refused with 413",
+    )
+
+
+class RouterSettings(RetentionSettings, AccessSettings, BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVTETHER_ROUTER_", extra="ignore")
 
     host: str = "127.0.0.1"
@@ -96,3 +131,8 @@ class RouterSettings(RetentionSettings, BaseSettings):
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     upstream_connect_timeout_s: float = Field(default=30.0, gt=0)
     max_conversations: int = Field(default=100_000, ge=1)
+    control_secret: SecretStr | None = Field(
+        default=None,
+        description="shared secret the kvtether connectors' control channels require "
+        "(their KVTETHER_CONTROL_SECRET); `stack up` generates one and sets both",
+    )

@@ -38,6 +38,7 @@ class TurnRequest:
     conversation_id: str | None
     hints: p.TurnHints | None
     request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    tenant: str = ""  # whose conversation this is (router.access)
 
     @property
     def stream(self) -> bool:
@@ -57,7 +58,8 @@ class TurnRunner:
 
     # ---------------------------------------------------------------- entry point
     async def run(self, req: TurnRequest) -> Response:
-        conv = self.deps.store.get_or_create(req.conversation_id) if req.conversation_id else None
+        conv = (self.deps.store.get_or_create(req.conversation_id, req.tenant)
+                if req.conversation_id else None)
         if conv is None:
             return await self._run_locked(req, None)
         await conv.lock.acquire()

@@ -7,6 +7,7 @@ the blocking HTTP client heartbeat threads use, and the public surface both twin
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
@@ -22,6 +23,7 @@ from kvtether.session._ids import (
     conversation_id_from,
     new_conversation_id,
 )
+from kvtether.session._lease import API_KEY_ENV
 from kvtether.session._prefix import keep_prefix_stable
 from kvtether.session._records import SessionEvent, ToolRun, Turn
 from kvtether.session._report import format_report
@@ -45,6 +47,7 @@ class BaseSession:
         conversation_id: str | None = None,
         settings: SessionSettings | None = None,
         http_client: httpx.Client | None = None,
+        api_key: str | None = None,
     ) -> None:
         try:
             settings = settings if settings is not None else SessionSettings()
@@ -55,6 +58,9 @@ class BaseSession:
         timeout_s = settings.request_timeout_s
         cid = new_conversation_id() if conversation_id is None else conversation_id
         self._state = state = SessionState(check_conversation_id(cid), settings)
+        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        if api_key is not None:
+            state.adopt_api_key(api_key)
         # For heartbeat threads in both twins; Session also sends release and status on it.
         # Its options read the state, not the session: no reference cycle through the slot.
         self._http = ClientSlot(lambda: client_options(state.base_url, timeout_s), http_client)
@@ -117,6 +123,8 @@ class BaseSession:
 
         if self._state.base_url is None and getattr(client, "base_url", None) is not None:
             self._state.adopt_base_url(normalize_base_url(str(client.base_url)))
+        if isinstance(getattr(client, "api_key", None), str) and client.api_key:
+            self._state.adopt_api_key(client.api_key)  # unless given one, or by the env
         state = self._state
         return wrap_client(lambda: state, client, owner=self)
 

@@ -52,6 +52,9 @@ class HeartbeatPlan:
         self._failures = 0  # in a row; resets on success
         self.url = state.session_url("/heartbeat")
 
+    def headers(self) -> dict[str, str]:
+        return {"Content-Type": "application/json", **self._state.auth_headers()}
+
     @property
     def wanted(self) -> bool:
         return self.url is not None and self._state.has_lease
@@ -134,7 +137,7 @@ class ThreadHeartbeat:
                 return
             try:
                 response = self._client().post(
-                    self._plan.url, content=body, headers={"Content-Type": "application/json"}
+                    self._plan.url, content=body, headers=self._plan.headers()
                 )
             except (httpx.HTTPError, RuntimeError) as exc:  # RuntimeError: client closed
                 delay_s = self._plan.on_error(exc)
@@ -174,7 +177,7 @@ class TaskHeartbeat:
                 return
             try:
                 response = await self._client().post(
-                    self._plan.url, content=body, headers={"Content-Type": "application/json"}
+                    self._plan.url, content=body, headers=self._plan.headers()
                 )
             except (httpx.HTTPError, RuntimeError) as exc:
                 delay_s = self._plan.on_error(exc)

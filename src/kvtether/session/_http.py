@@ -46,14 +46,14 @@ class ClientSlot:
                 self._client = httpx.Client(**self._options())
             return self._client
 
-    def get_once(self, url: str) -> httpx.Response:
+    def get_once(self, url: str, headers: dict[str, str] | None = None) -> httpx.Response:
         """GET on the open client, or on a temporary one, so a query leaves no client open."""
         with self._lock:
             client = self._client
         if client is not None:
-            return client.get(url)
+            return client.get(url, headers=headers)
         with httpx.Client(**self._options()) as temporary:
-            return temporary.get(url)
+            return temporary.get(url, headers=headers)
 
     def close(self) -> None:
         with self._lock:
@@ -75,12 +75,12 @@ class AsyncClientSlot:
             self._client = httpx.AsyncClient(**self._options())
         return self._client
 
-    async def get_once(self, url: str) -> httpx.Response:
+    async def get_once(self, url: str, headers: dict[str, str] | None = None) -> httpx.Response:
         """See ``ClientSlot.get_once``."""
         if self._client is not None:
-            return await self._client.get(url)
+            return await self._client.get(url, headers=headers)
         async with httpx.AsyncClient(**self._options()) as temporary:
-            return await temporary.get(url)
+            return await temporary.get(url, headers=headers)
 
     async def aclose(self) -> None:
         if self._owned and self._client is not None:

@@ -11,7 +11,13 @@ import httpx
 from kvtether.errors import RouterUnavailableError, SessionError, SessionGone, SessionNotFound
 from kvtether.protocol import SessionStatus
 
-__all__ = ["LeaseState", "session_url", "delete_at_exit", "parse_status", "unavailable"]
+__all__ = [
+    "API_KEY_ENV", "LeaseState", "auth_headers", "session_url", "delete_at_exit", "parse_status",
+    "unavailable",
+]
+
+# The router's API key when a session is given none (then: the wrapped client's).
+API_KEY_ENV = "KVTETHER_API_KEY"
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +35,11 @@ class LeaseState:
     released: bool = False
     kv_gone: bool = False
     lease_remaining_s: float | None = None
+    api_key: str | None = None  # sent as "Authorization: Bearer" on session API calls
+
+
+def auth_headers(state: LeaseState) -> dict[str, str]:
+    return {"Authorization": f"Bearer {state.api_key}"} if state.api_key else {}
 
 
 def session_url(state: LeaseState, suffix: str = "") -> str | None:
@@ -37,13 +48,13 @@ def session_url(state: LeaseState, suffix: str = "") -> str | None:
     return f"{state.base_url}/v1/sessions/{quote(state.conversation_id, safe='')}{suffix}"
 
 
-def delete_at_exit(url: str, timeout_s: float) -> bool:
+def delete_at_exit(url: str, timeout_s: float, headers: dict[str, str] | None = None) -> bool:
     """Release from a finalizer: True if the router no longer holds the KV. Never raises."""
     try:
         # Plain-http routers need no CA certificates, which take long to load.
         verify = url.startswith("https:")
         with httpx.Client(timeout=timeout_s, verify=verify) as client:
-            response = client.delete(url)
+            response = client.delete(url, headers=headers)
         return response.status_code in (200, 204, 404)
     except Exception:  # noqa: BLE001 - at interpreter exit anything may be half torn down
         return False

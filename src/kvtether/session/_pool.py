@@ -18,6 +18,7 @@ import asyncio
 import functools
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from cachetools import LRUCache, TTLCache
 
 from kvtether.errors import ConfigError, MissingConversationKeyWarning
 from kvtether.session._base import BaseSession
+from kvtether.session._lease import API_KEY_ENV
 from kvtether.session._prefix import warn_at_caller
 from kvtether.session._session import AsyncSession, Session
 from kvtether.session._settings import SessionSettings, normalize_base_url
@@ -73,6 +75,8 @@ class BasePool(Generic[S]):
     ``max_sessions``: sessions kept beyond this leave the pool, least recently used first.
     ``idle_ttl_s``: a session unused this long leaves the pool (None: never for idleness).
     ``namespace``: passed to ``from_thread_id``. ``settings``: every session's.
+    ``api_key``: the router's API key, for every session (default: env ``KVTETHER_API_KEY``,
+    else the ``api_key`` of the first client passed to ``wrap()``).
     ``timer`` (monotonic seconds) measures idle time; tests pass a fake one instead of sleeping.
     """
 
@@ -87,6 +91,7 @@ class BasePool(Generic[S]):
         namespace: str = "kvtether",
         settings: SessionSettings | None = None,
         timer: Callable[[], float] = time.monotonic,
+        api_key: str | None = None,
     ) -> None:
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise ConfigError(f"max_sessions must be an integer >= 1, got {max_sessions!r}")
@@ -98,6 +103,7 @@ class BasePool(Generic[S]):
         self._base_url = None if base_url is None else normalize_base_url(base_url)
         self._namespace = namespace
         self._session_kwargs: dict[str, Any] = {"settings": settings}
+        self._api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self._lock = threading.Lock()
         ttl_s = math.inf if idle_ttl_s is None else idle_ttl_s
         self._sessions: _EvictingCache[S] = _EvictingCache(max_sessions, ttl_s, timer)
@@ -170,6 +176,8 @@ class BasePool(Generic[S]):
             )
         if self._base_url is None and getattr(client, "base_url", None) is not None:
             self._adopt_base_url(normalize_base_url(str(client.base_url)))
+        if isinstance(getattr(client, "api_key", None), str) and client.api_key:
+            self._adopt_api_key(client.api_key)
         return wrap_client(lambda: self.get(resolver())._state, client, owner=self)
 
     # --- internals --------------------------------------------------------------------------
@@ -177,10 +185,11 @@ class BasePool(Generic[S]):
         """Called with the lock held."""
         cls = self._session_cls
         if key is None:
-            session = cls(self._base_url, **self._session_kwargs)
+            session = cls(self._base_url, api_key=self._api_key, **self._session_kwargs)
         else:
             session = cls.from_thread_id(
-                key, namespace=self._namespace, base_url=self._base_url, **self._session_kwargs
+                key, namespace=self._namespace, base_url=self._base_url, api_key=self._api_key,
+                **self._session_kwargs,
             )
         session._state.listen_for_tool_calls(functools.partial(self._saw_tool_calls, key))
         return session
@@ -189,6 +198,17 @@ class BasePool(Generic[S]):
         with self._lock:
             for tool_call_id in tool_call_ids:
                 self._tool_calls[tool_call_id] = key
+
+    def _adopt_api_key(self, api_key: str) -> None:
+        with self._lock:
+            if self._api_key is None:
+                self._api_key = api_key
+            api_key = self._api_key
+            pooled = list(self._sessions.values())
+            if self._default is not None:
+                pooled.append(self._default)
+        for session in pooled:
+            session._state.adopt_api_key(api_key)
 
     def _adopt_base_url(self, base_url: str) -> None:
         with self._lock:

@@ -38,6 +38,8 @@ class Session(BaseSession):
     taken from the first client passed to ``wrap()``. ``conversation_id`` defaults to a new
     random id; use ``Session.from_thread_id(thread_id)`` to derive a stable one.
     ``http_client``: an ``httpx.Client`` for the session API calls (kept open on ``close()``).
+    ``api_key``: the router's API key, sent on heartbeats, status and release (default: env
+    ``KVTETHER_API_KEY``, else the ``api_key`` of the first client passed to ``wrap()``).
     Its constructor is ``BaseSession``'s.
     """
 
@@ -48,7 +50,7 @@ class Session(BaseSession):
         """
         url = self._status_url()
         try:
-            response = self._http.get_once(url)
+            response = self._http.get_once(url, self._state.auth_headers())
         except httpx.HTTPError as exc:
             raise self._state.unavailable(exc) from exc
         return self._state.parse_status(response)
@@ -57,7 +59,7 @@ class Session(BaseSession):
         """Release the conversation's KV on the router. Never raises; safe to call twice."""
         if (url := self._state.release_url()) is not None:
             try:
-                response = self._http.get().delete(url)
+                response = self._http.get().delete(url, headers=self._state.auth_headers())
             except _RELEASE_ERRORS as exc:
                 self._state.release_answered(None, _failure(exc))
             else:
@@ -83,8 +85,10 @@ class AsyncSession(BaseSession):
         conversation_id: str | None = None,
         settings: SessionSettings | None = None,
         http_client: httpx.AsyncClient | None = None,
+        api_key: str | None = None,
     ) -> None:
-        super().__init__(base_url, conversation_id=conversation_id, settings=settings)
+        super().__init__(base_url, conversation_id=conversation_id, settings=settings,
+                         api_key=api_key)
         state = self._state
         self._ahttp = AsyncClientSlot(
             lambda: client_options(state.base_url, state.settings.request_timeout_s), http_client
@@ -99,7 +103,7 @@ class AsyncSession(BaseSession):
         """See ``Session.status``."""
         url = self._status_url()
         try:
-            response = await self._ahttp.get_once(url)
+            response = await self._ahttp.get_once(url, self._state.auth_headers())
         except httpx.HTTPError as exc:
             raise self._state.unavailable(exc) from exc
         return self._state.parse_status(response)
@@ -108,7 +112,7 @@ class AsyncSession(BaseSession):
         """Release the conversation's KV on the router. Never raises; safe to call twice."""
         if (url := self._state.release_url()) is not None:
             try:
-                response = await self._ahttp.get().delete(url)
+                response = await self._ahttp.get().delete(url, headers=self._state.auth_headers())
             except _RELEASE_ERRORS as exc:
                 self._state.release_answered(None, _failure(exc))
             else:

@@ -23,7 +23,13 @@ import httpx
 from kvtether.errors import PrefixBreakWarning, RouterUnavailableError
 from kvtether.protocol import HeartbeatRequest, Phase, SessionStatus, TurnHints
 from kvtether.session._exchange import Endpoint, Exchange
-from kvtether.session._lease import LeaseState, delete_at_exit, parse_status, session_url
+from kvtether.session._lease import (
+    LeaseState,
+    auth_headers,
+    delete_at_exit,
+    parse_status,
+    session_url,
+)
 from kvtether.session._lease import unavailable as _unavailable
 from kvtether.session._predict import GrowthPredictor, PromptSizer
 from kvtether.session._prefix import PrefixTracker, describe, warn_break
@@ -125,6 +131,17 @@ class SessionState:
         with self._lock:
             self._tool_call_listener = listener
 
+    def adopt_api_key(self, api_key: str) -> None:
+        """Use ``api_key`` for the session API unless the session was given one."""
+        with self._lock:
+            if self._lease.api_key is None:
+                self._lease.api_key = api_key
+
+    def auth_headers(self) -> dict[str, str]:
+        """Headers of every session API call (heartbeat, release, status)."""
+        with self._lock:
+            return auth_headers(self._lease)
+
     def adopt_base_url(self, base_url: str) -> None:
         """Use ``base_url`` (already normalized) unless the session was given one."""
         with self._lock:
@@ -170,7 +187,8 @@ class SessionState:
         with self._exit_lock():
             wanted = self._lease.has_lease and not self._lease.released
             url = session_url(self._lease)
-        if wanted and url is not None and delete_at_exit(url, self._lease.timeout_s):
+            headers = auth_headers(self._lease)
+        if wanted and url is not None and delete_at_exit(url, self._lease.timeout_s, headers):
             with self._exit_lock():
                 self._lease.released, self._lease.has_lease = True, False
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvtether.router.settings import RetentionSettings
+from kvtether.protocol import CONTROL_SECRET_ENV
+from kvtether.router.settings import AccessSettings, RetentionSettings
 from kvtether.stack._state import Role
 from kvtether.stack.models import tool_call_args
 from kvtether.stack.settings import StackSettings
@@ -49,6 +50,8 @@ class InstancePlan:
     decode_urls: tuple[str, ...] = ()
     prefill_control_urls: tuple[str, ...] = ()
     decode_control_urls: tuple[str, ...] = ()
+    # The control channels' shared secret: to vLLM and the router through their environment.
+    control_secret: str | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
@@ -86,6 +89,7 @@ def kv_transfer_config(plan: InstancePlan, settings: StackSettings) -> dict[str,
             kvtether_role=plan.role,
             kvtether_lease_ttl_s=_number(settings.lease_ttl_s),
             kvtether_control_port=plan.control_port,
+            kvtether_control_host=settings.control_host,
             kvtether_idle_tick_s=_number(settings.idle_tick_s),
         )
         if settings.progress_thread_delay_us is not None:
@@ -178,6 +182,8 @@ class VllmCommands:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(plan.side_channel_port)
             if settings.connector == "kvtether" and plan.control_port is not None:
                 env["KVTETHER_CONTROL_PORT"] = str(plan.control_port)
+                if plan.control_secret:
+                    env[CONTROL_SECRET_ENV] = plan.control_secret
         return Command(argv + list(settings.extra_vllm_args), env)
 
     def _router(self, plan: InstancePlan, settings: StackSettings) -> Command:
@@ -185,11 +191,13 @@ class VllmCommands:
         argv = [self.python, "-m", "kvtether", "router"]
         for name, value in values.items():
             flag = "--" + name.replace("_", "-")
-            if isinstance(value, (list, tuple)):
+            if isinstance(value, bool):
+                argv += [flag] if value else []
+            elif isinstance(value, (list, tuple)):
                 argv += [flag, json.dumps(list(value))]
             elif value is not None:
                 argv += [flag, str(value)]
-        return Command(argv, {"PYTHONUNBUFFERED": "1"})
+        return Command(argv, {"PYTHONUNBUFFERED": "1", **router_secrets(plan, settings)})
 
 
 def router_values(plan: InstancePlan, settings: StackSettings) -> dict[str, Any]:
@@ -209,4 +217,21 @@ def router_values(plan: InstancePlan, settings: StackSettings) -> dict[str, Any]
         "kv_block_size_tokens": settings.block_size_tokens,
     }
     values.update({name: getattr(settings, name) for name in RetentionSettings.model_fields})
+    values.update({name: getattr(settings, name) for name in AccessSettings.model_fields
+                   if name not in _SECRETS})
     return {k: v for k, v in values.items() if v != []}
+
+
+# Settings that go to the router in its environment, never on its command line (`ps` shows
+# command lines to every user of the host).
+_SECRETS = ("api_key",)
+
+
+def router_secrets(plan: InstancePlan, settings: StackSettings) -> dict[str, str]:
+    """``KVTETHER_ROUTER_*`` environment variables carrying this stack's secrets."""
+    env = {}
+    if settings.api_key is not None:
+        env["KVTETHER_ROUTER_API_KEY"] = settings.api_key.get_secret_value()
+    if plan.control_secret:
+        env["KVTETHER_ROUTER_CONTROL_SECRET"] = plan.control_secret
+    return env

@@ -49,14 +49,16 @@ def warm_up(
     max_tokens: int = 24,
     timeout_s: float = 300.0,
     transport: httpx.BaseTransport | None = None,
+    api_key: str | None = None,
 ) -> WarmUpReport:
     """Run ``conversations`` short conversations; each stops at its first turn that read
     decode-held KV. ``max_tokens`` per answer: enough new tokens that prefill reads them
     (above ``kv_recompute_threshold_tokens``) rather than recompute them."""
     report = WarmUpReport()
     t0 = time.monotonic()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(base_url=router_url, timeout=timeout_s, trust_env=False,
-                      transport=transport) as client:
+                      transport=transport, headers=headers) as client:
         for _ in range(conversations):
             report.conversations += 1
             cid = f"kvtether-warmup-{uuid.uuid4().hex[:8]}"

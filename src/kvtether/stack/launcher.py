@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any
 
+from kvtether.errors import KVTetherError
 from kvtether.stack import _procs
 from kvtether.stack._commands import CommandBuilder, InstancePlan, VllmCommands
 from kvtether.stack._control import (
@@ -87,6 +89,7 @@ class Stack:
         self._plans: list[InstancePlan] = []
         self._running: list[Starting] = []
         self.warm_up_report: WarmUpReport | None = None
+        self._control_secret: str | None = None
 
     # --- public surface ------------------------------------------------------------------
     @property
@@ -100,6 +103,11 @@ class Stack:
     @property
     def decode_urls(self) -> list[str]:
         return [p.url for p in self._plans if p.role == "decode"]
+
+    @property
+    def control_secret(self) -> str | None:
+        """The control channels' shared secret (set by ``up()``; None for ``--connector nixl``)."""
+        return self._control_secret
 
     @property
     def served_model_name(self) -> str:
@@ -122,6 +130,10 @@ class Stack:
         """
         detach = self.settings.detach if detach is None else detach
         _claim_state_dir(self.state_dir)
+        client_key = _client_api_key(self.settings)  # a bad key file fails before any start
+        if self.settings.connector == "kvtether":
+            given = self.settings.control_secret
+            self._control_secret = given.get_secret_value() if given else secrets.token_urlsafe(32)
         model_dir, served = resolve_model(self.settings)
         self._plans = self._plan(model_dir, served)
         _check_ports(self.settings.host, self._plans)
@@ -140,7 +152,7 @@ class Stack:
                 self.state.router_url = self.router_url
                 self._wait([self._spawn(p) for p in self._plans if p.role == "router"])
                 if self.settings.warm_up:
-                    self._warm_up(served)
+                    self._warm_up(served, client_key)
         except BaseException:
             self.down()
             raise
@@ -196,6 +208,7 @@ class Stack:
                     served_model_name=served,
                     side_channel_port=s.side_channel_port(index),
                     control_port=s.control_port(index) if s.connector == "kvtether" else None,
+                    control_secret=self._control_secret,
                     gpu_id=s.gpu_ids[index % len(s.gpu_ids)] if s.gpu_ids else None,
                     gpu_memory_utilization=gpu_share,
                 )
@@ -204,7 +217,7 @@ class Stack:
             controls: dict[str, list[str]] = {"prefill": [], "decode": []}
             for p in plans:
                 if p.control_port is not None:
-                    controls[p.role].append(f"http://{s.host}:{p.control_port}")
+                    controls[p.role].append(f"http://{s.control_host}:{p.control_port}")
             plans.append(
                 InstancePlan(
                     name="router",
@@ -216,6 +229,7 @@ class Stack:
                     decode_urls=tuple(p.url for p in plans if p.role == "decode"),
                     prefill_control_urls=tuple(controls["prefill"]),
                     decode_control_urls=tuple(controls["decode"]),
+                    control_secret=self._control_secret,
                 )
             )
         return plans
@@ -244,13 +258,13 @@ class Stack:
         save_state(self.state_dir, self.state)
         return started
 
-    def _warm_up(self, served: str) -> None:
+    def _warm_up(self, served: str, api_key: str | None) -> None:
         s = self.settings
         one_way = s.reuse_policy == "off"
         report = warm_up(self.router_url, served, conversations=s.prefill * s.decode,
                          max_turns=1 if one_way else 4,
                          max_tokens=s.kv_recompute_threshold_tokens + s.block_size_tokens,
-                         timeout_s=s.health_timeout_s)
+                         timeout_s=s.health_timeout_s, api_key=api_key)
         self.warm_up_report = report
         outcomes = ", ".join(report.outcomes) or "no turn answered"
         if one_way:
@@ -265,6 +279,20 @@ class Stack:
     def _wait(self, procs: list[Starting]) -> None:
         timeout_s = self.settings.health_timeout_s
         wait_healthy(procs, timeout_s, progress=self.progress, console=self.console)
+
+
+def _client_api_key(settings: StackSettings) -> str | None:
+    """A key the stack's own warm-up turns can use: --api-key, else the key file's first."""
+    if settings.api_key is not None:
+        return settings.api_key.get_secret_value()
+    if settings.api_key_file is not None:
+        from kvtether.router.access import read_key_file
+
+        try:
+            return next(iter(read_key_file(settings.api_key_file)))
+        except KVTetherError as exc:
+            raise ConfigError(str(exc)) from None
+    return None
 
 
 def _gpu_share(settings: StackSettings) -> float | None:

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, create_model, model_validator
+from pydantic import Field, SecretStr, create_model, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -21,7 +21,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from kvtether.router.settings import KVBlockSizeTokens, RetentionSettings
+from kvtether.router.settings import AccessSettings, KVBlockSizeTokens, RetentionSettings
 from kvtether.stack._errors import ConfigError
 from kvtether.stack.profiles import DEFAULT_PROFILE, ProfileName, profile_defaults
 
@@ -72,12 +72,14 @@ class StackSettingsBase(BaseSettings):
         return (init_settings, env_settings, ConfigFileSource(settings_cls))
 
 
-class StackSettings(RetentionSettings, StackSettingsBase):
+class StackSettings(RetentionSettings, AccessSettings, StackSettingsBase):
     """How to run N prefill + M decode vLLM instances and the kvtether router.
 
-    The KV retention settings (lease TTL, retained-token cap, ...) are the router's own
-    :class:`~kvtether.router.settings.RetentionSettings`, inherited, not re-declared:
-    ``stack up`` forwards them to the router it starts.
+    The KV retention settings (lease TTL, retained-token cap, ...) and the access settings
+    (API keys, body limit) are the router's own
+    (:class:`~kvtether.router.settings.RetentionSettings`,
+    :class:`~kvtether.router.settings.AccessSettings`), inherited, not re-declared: ``stack up``
+    forwards them to the router it starts (the API key in its environment).
     """
 
     config: Path | None = Field(default=None, description="TOML or YAML file with stack settings")
@@ -99,6 +101,16 @@ class StackSettings(RetentionSettings, StackSettingsBase):
     side_channel_stride: int = Field(default=10, ge=1, description="port gap between instances")
     control_base_port: int = Field(
         default=5900, ge=1, le=65535, description="kvtether connector control of instance i: base+i"
+    )
+    control_host: str = Field(
+        default="127.0.0.1",
+        description="interface the connectors' control channels bind to (the router reaches "
+        "them there); loopback unless the router runs on another host",
+    )
+    control_secret: SecretStr | None = Field(
+        default=None,
+        description="shared secret of the control channels (default: a new random one per "
+        "`stack up`, handed to the instances and the router in their environment)",
     )
 
     # Device-specific: defaults come from the profile only.

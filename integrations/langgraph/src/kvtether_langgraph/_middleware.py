@@ -34,17 +34,19 @@ class KVTetherMiddleware(AgentMiddleware):
     """Tethers a ``create_agent`` agent's model calls and tool runs to their thread's KV.
 
     ``pool``: the ``SessionPool`` (or ``AsyncSessionPool``) of the threads; close it to release
-    their KV. Without one, the middleware makes a ``SessionPool(base_url)`` (``base_url``: the
-    kvtether router; None: the model's ``base_url``), whose sessions keep their KV until the
-    router's lease lapses. Models other than ``ChatOpenAI`` run untethered (logged once).
+    their KV. Without one, the middleware makes a ``SessionPool(base_url, api_key=api_key)``
+    (``base_url``: the kvtether router; None: the model's ``base_url``; ``api_key``: the
+    router's key; None: env ``KVTETHER_API_KEY``, else the model's), whose sessions keep their
+    KV until the router's lease lapses. Models other than ``ChatOpenAI`` run untethered (logged once).
     """
 
     def __init__(
-        self, pool: SessionPool | AsyncSessionPool | None = None, *, base_url: str | None = None
+        self, pool: SessionPool | AsyncSessionPool | None = None, *, base_url: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         super().__init__()
         self.pool: SessionPool | AsyncSessionPool = (
-            pool if pool is not None else SessionPool(base_url)
+            pool if pool is not None else SessionPool(base_url, api_key=api_key)
         )
         self._lock = threading.Lock()
         # id(model) -> (model, its tethered copy); the model is held so its id stays unique.

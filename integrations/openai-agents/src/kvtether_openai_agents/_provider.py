@@ -141,7 +141,8 @@ class KVTetherProvider(ModelProvider):
                 base_url=base_url.rstrip("/") + "/v1", api_key=api_key or "-"
             )
         self._pool = pool or AsyncSessionPool(
-            base_url, max_sessions=max_sessions, idle_ttl_s=idle_ttl_s, settings=settings
+            base_url, max_sessions=max_sessions, idle_ttl_s=idle_ttl_s, settings=settings,
+            api_key=api_key,
         )
         self._client = self._pool.wrap(openai_client, resolver=_RUN_KEY.get)
         self._fallback_client = fallback_client
