@@ -15,7 +15,7 @@ import uuid
 import httpx
 import pytest
 
-from .conftest import _PORT_BASE, _settings
+from .conftest import _PORT_BASE
 
 pytestmark = pytest.mark.vllm
 
@@ -54,10 +54,12 @@ def _kv_usage(url: str) -> float:
 
 
 def _stack(tmp_path_factory: pytest.TempPathFactory, offset: int, **overrides):
+    """A stack on its own ports (beside the session's pd_stack, if one runs)."""
     from kvtether.stack.launcher import Stack
+    from kvtether.stack.settings import StackSettings
 
-    settings = _settings(
-        tmp_path_factory.mktemp("policy"),
+    settings = StackSettings(
+        profile="cpu-tiny", state_dir=tmp_path_factory.mktemp("policy"), health_timeout_s=900,
         port=_PORT_BASE + offset, base_port=_PORT_BASE + 100 + offset,
         control_base_port=_PORT_BASE + 200 + offset,
         side_channel_base_port=_PORT_BASE - 2000 + 10 * offset, **overrides,
