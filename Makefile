@@ -22,7 +22,7 @@ test: setup
 	$(PY) -m pytest tests $(INTEGRATION_TESTS) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest tests $(INTEGRATION_TESTS) -m "not vllm" $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(INTEGRATION_TESTS) -m "not vllm and not soak" $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m kvtether bench idle

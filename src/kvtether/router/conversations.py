@@ -9,14 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvtether.protocol import LeaseInfo, MissCause, Phase, SessionStatus, TurnRecord
 
-__all__ = ["RetainedKV", "Conversation", "ConversationStore", "InMemoryConversationStore"]
+__all__ = [
+    "RetainedKV",
+    "Conversation",
+    "ConversationStore",
+    "ConversationTableFullError",
+    "InMemoryConversationStore",
+]
+
+# Turn records kept per conversation when the store is not told otherwise.
+DEFAULT_MAX_TURN_RECORDS = 64
+
+
+class ConversationTableFullError(Exception):
+    """Every conversation in a full table has a turn in flight: none can be dropped."""
 
 
 @dataclass
@@ -45,7 +58,14 @@ class Conversation:
     retained: RetainedKV | None = None
     # Why there is no retained KV right now (released, evicted, expired...), for the next turn.
     gone_cause: MissCause | None = None
-    turns: list[TurnRecord] = field(default_factory=list)
+    # The last turns only (bounded); the totals below count every turn.
+    turns: deque[TurnRecord] = field(
+        default_factory=lambda: deque(maxlen=DEFAULT_MAX_TURN_RECORDS)
+    )
+    turn_count: int = 0
+    fired_turns: int = 0
+    prompt_tokens_total: int = 0
+    reused_tokens_total: int = 0
     last_active_unix_s: float = field(default_factory=time.time)
     # Latest client hints (turn hints or heartbeats), used to value the lease.
     phase: Phase | None = None
@@ -54,7 +74,15 @@ class Conversation:
 
     @property
     def next_turn(self) -> int:
-        return len(self.turns) + 1
+        return self.turn_count + 1
+
+    def add_turn(self, record: TurnRecord) -> None:
+        """Keep a finished (or failed) turn's record; the oldest record beyond the cap goes."""
+        self.turns.append(record)
+        self.turn_count += 1
+        self.fired_turns += record.outcome == "fired"
+        self.prompt_tokens_total += record.prompt_tokens
+        self.reused_tokens_total += record.reused_tokens
 
     def lease_state(self, now_unix_s: float) -> str:
         if self.retained is not None:
@@ -78,6 +106,10 @@ class Conversation:
             lease_state=self.lease_state(now),  # type: ignore[arg-type]
             lease_key=r.handle_key if r else None,
             turns=list(self.turns),
+            turn_count=self.turn_count,
+            fired_turns=self.fired_turns,
+            prompt_tokens_total=self.prompt_tokens_total,
+            reused_tokens_total=self.reused_tokens_total,
         )
 
 
@@ -96,18 +128,25 @@ class ConversationStore(Protocol):
 
 
 class InMemoryConversationStore:
-    """Single-process table; least-recently-active conversations are dropped past the cap."""
+    """Single-process table that never holds more than ``max_conversations``.
+
+    A new conversation in a full table drops the least recently active one that has no turn in
+    flight (``on_drop`` frees the KV it still retains); if every one is mid-turn, the new one is
+    refused with :class:`ConversationTableFullError` rather than grow the table.
+    """
 
     def __init__(
         self,
         max_conversations: int = 100_000,
         on_drop: Callable[[Conversation], None] | None = None,
         now_unix_s: Callable[[], float] = time.time,
+        max_turn_records: int = DEFAULT_MAX_TURN_RECORDS,
     ) -> None:
         self._items: OrderedDict[str, Conversation] = OrderedDict()
         self._max = max_conversations
         self._on_drop = on_drop  # frees what a dropped conversation still holds
         self._now_unix_s = now_unix_s  # the router's clock, for new conversations' timestamps
+        self._max_turn_records = max_turn_records
 
     def get(self, conversation_id: str) -> Conversation | None:
         conv = self._items.get(conversation_id)
@@ -118,17 +157,32 @@ class InMemoryConversationStore:
     def get_or_create(self, conversation_id: str) -> Conversation:
         conv = self.get(conversation_id)
         if conv is None:
-            conv = Conversation(conversation_id, last_active_unix_s=self._now_unix_s())
+            if len(self._items) >= self._max:
+                self._drop_oldest_idle(len(self._items) - self._max + 1)
+            conv = Conversation(
+                conversation_id,
+                last_active_unix_s=self._now_unix_s(),
+                turns=deque(maxlen=self._max_turn_records),
+            )
             self._items[conversation_id] = conv
-            while len(self._items) > self._max:
-                _, dropped = self._items.popitem(last=False)
-                if dropped.lock.locked():  # in use: keep it, drop the next oldest instead
-                    self._items[dropped.conversation_id] = dropped
-                    self._items.move_to_end(dropped.conversation_id, last=False)
-                    break
-                if self._on_drop is not None:
-                    self._on_drop(dropped)
         return conv
+
+    def _drop_oldest_idle(self, n: int) -> None:
+        """Drop the ``n`` least recently active conversations that have no turn in flight."""
+        victims = []
+        for conv in self._items.values():  # oldest first
+            if not conv.lock.locked():
+                victims.append(conv)
+                if len(victims) == n:
+                    break
+        if len(victims) < n:
+            raise ConversationTableFullError(
+                f"all {len(self._items)} conversations have a turn in flight"
+            )
+        for conv in victims:
+            del self._items[conv.conversation_id]
+            if self._on_drop is not None:
+                self._on_drop(conv)
 
     def delete(self, conversation_id: str) -> Conversation | None:
         return self._items.pop(conversation_id, None)

@@ -88,7 +88,7 @@ def relay_stream(
         decode.inflight -= 1
         if conv is not None:
             if not any(t is record for t in conv.turns):
-                conv.turns.append(record)
+                conv.add_turn(record)
             conv.lock.release()
 
     async def relay() -> AsyncIterator[bytes]:

@@ -79,4 +79,13 @@ class RouterSettings(RetentionSettings, BaseSettings):
     )
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     upstream_connect_timeout_s: float = Field(default=30.0, gt=0)
-    max_conversations: int = Field(default=100_000, ge=1)
+    max_conversations: int = Field(
+        default=100_000, ge=1,
+        description="conversations the router remembers; past it the least recently active "
+        "one without a turn in flight is forgotten (its retained KV released)",
+    )
+    max_turn_records: int = Field(
+        default=64, ge=1,
+        description="turn records kept per conversation (GET /v1/sessions/{id} shows these; "
+        "its totals count every turn)",
+    )

@@ -212,7 +212,7 @@ class TurnRunner:
             # Nobody can ask for this KV again.
             await self.deps.leases.release(decode, ctx.handle_key)
             return
-        conv.turns.append(ctx.record)
+        conv.add_turn(ctx.record)
         conv.last_active_unix_s = self.deps.clock.now_unix_s()
         if hints is not None:
             conv.phase = hints.phase
