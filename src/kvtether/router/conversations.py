@@ -70,6 +70,8 @@ class Conversation:
     # Latest client hints (turn hints or heartbeats), used to value the lease.
     phase: Phase | None = None
     expected_next_prompt_tokens: int | None = None
+    # A DELETE that came while this turn was in flight: free its KV as soon as it settles.
+    release_after_turn: int | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
 
     @property

@@ -148,6 +148,7 @@ class TurnRunner:
             return relay_stream(
                 ctx, settle, lambda: self.deps.leases.fetch_handle(decode, ctx.handle_key),
                 self.deps.clock, self.deps.metrics,
+                release_unsettled=lambda: self.deps.leases.release(decode, ctx.handle_key),
             )
         return await relay_once(ctx, settle, self.deps.clock)
 
@@ -234,8 +235,9 @@ class TurnRunner:
         self.retention.retain(
             conv, decode, handle, ctx.prompt_ids + ctx.output_ids, ctx.handle_key, lease_s
         )
-        if hints is not None and hints.phase == p.Phase.FINAL:
-            # The agent said this is its last turn: hold nothing.
+        if (hints is not None and hints.phase == p.Phase.FINAL
+                or conv.release_after_turn == ctx.record.turn):
+            # The agent said this is its last turn, or released the session meanwhile.
             await self.retention.release(conv, p.MissCause.RELEASED)
             return
         await self.retention.enforce_budget(conv, decode)
