@@ -1,0 +1,129 @@
+"""Many agent conversations at once through the router, on fake vLLM instances.
+
+Each conversation runs turns separated by a tool call of a few seconds, heartbeating its lease
+every second while the tool runs, then releases. The router's overhead per turn is the turn's
+latency at the client minus the time the fake instances took for its prefill and decode legs
+(requests carrying the turn's ``X-Request-Id``): parsing, planning, the table, tokenize and
+lease calls, relaying, and waiting for the one event loop the router and the fakes share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import httpx
+
+from .conftest import SYSTEM_PROMPT, make_router
+from .fake_vllm import RoutingTransport
+
+
+class TimedTransport(httpx.AsyncBaseTransport):
+    """The fakes' transport, timing each upstream request by the turn's request id."""
+
+    def __init__(self, inner: RoutingTransport) -> None:
+        self.inner = inner
+        self.upstream_s: dict[str, float] = defaultdict(float)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        t0 = time.perf_counter()
+        try:
+            return await self.inner.handle_async_request(request)
+        finally:
+            rid = request.headers.get("X-Request-Id")
+            if rid:
+                self.upstream_s[rid] += time.perf_counter() - t0
+
+
+@dataclass
+class LoadResult:
+    conversations: int
+    turns: int = 0
+    failed_turns: list[str] = field(default_factory=list)
+    heartbeats: int = 0
+    failed_heartbeats: list[str] = field(default_factory=list)
+    fired: int = 0
+    eligible: int = 0
+    turn_s: list[float] = field(default_factory=list)
+    overhead_s: list[float] = field(default_factory=list)
+    heartbeat_s: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @staticmethod
+    def pct(xs: list[float], q: float) -> float:
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else float("nan")
+
+    def summary(self) -> str:
+        ms = lambda xs, q: f"{self.pct(xs, q) * 1000:.1f} ms"  # noqa: E731
+        return (
+            f"{self.conversations} conversations, {self.turns} turns "
+            f"({len(self.failed_turns)} failed), {self.heartbeats} heartbeats "
+            f"({len(self.failed_heartbeats)} failed), reuse fired {self.fired}/{self.eligible} "
+            f"in {self.wall_s:.1f} s\n"
+            f"  turn latency        p50 {ms(self.turn_s, .5)}  p99 {ms(self.turn_s, .99)}\n"
+            f"  router overhead     p50 {ms(self.overhead_s, .5)}  "
+            f"p99 {ms(self.overhead_s, .99)}\n"
+            f"  heartbeat latency   p50 {ms(self.heartbeat_s, .5)}  "
+            f"p99 {ms(self.heartbeat_s, .99)}"
+        )
+
+
+async def run_load(conversations: int = 200, turns: int = 4, tool_s: tuple[float, float] = (1, 3),
+                   heartbeat_every_s: float = 1.0, stream_share: float = 0.5,
+                   seed: int = 1) -> LoadResult:
+    rng = random.Random(seed)
+    result = LoadResult(conversations)
+    async with make_router(control=True, n_prefill=2, n_decode=2) as h:
+        timed = TimedTransport(h.transport)
+        for b in h.app.state.pool.all:  # the router's upstream clients, now timed
+            b.client._transport = timed
+        client = h.client
+        client.timeout = httpx.Timeout(120.0)
+
+        async def heartbeats(cid: str, until_s: float) -> None:
+            while time.perf_counter() < until_s:
+                await asyncio.sleep(heartbeat_every_s)
+                t0 = time.perf_counter()
+                r = await client.post(f"/v1/sessions/{cid}/heartbeat",
+                                      json={"phase": "tool_running"})
+                result.heartbeat_s.append(time.perf_counter() - t0)
+                result.heartbeats += 1
+                if r.status_code != 200:
+                    result.failed_heartbeats.append(f"{cid}: {r.status_code} {r.text[:200]}")
+
+        async def conversation(i: int) -> None:
+            cid = f"load-{i}"
+            messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+            await asyncio.sleep(rng.uniform(0, 1))  # arrivals spread over a second
+            for t in range(turns):
+                stream = rng.random() < stream_share
+                t0 = time.perf_counter()
+                messages.append({"role": "user", "content": f"step {t} of task {i}"})
+                turn = await h.chat(list(messages), cid, stream=stream)
+                seconds = time.perf_counter() - t0
+                result.turns += 1
+                if turn.status != 200:
+                    result.failed_turns.append(f"{cid} turn {t + 1}: {turn.status}")
+                    return
+                messages.append(turn.assistant_message())
+                result.turn_s.append(seconds)
+                rid = turn.headers["X-Request-Id"]
+                result.overhead_s.append(seconds - timed.upstream_s.pop(rid, 0.0))
+                if t > 0:
+                    result.eligible += 1
+                    result.fired += turn.outcome == "fired"
+                tool = rng.uniform(*tool_s)
+                await heartbeats(cid, time.perf_counter() + tool)
+            await client.delete(f"/v1/sessions/{cid}")
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(conversation(i) for i in range(conversations)))
+        result.wall_s = time.perf_counter() - t0
+        h.assert_kv_correct()
+        assert not [r for d in h.decode for r in d.held_leases()], "KV left held"
+    return result
+
