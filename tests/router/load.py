@@ -10,21 +10,29 @@ lease calls, relaying, and waiting for the one event loop the router and the fak
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import subprocess
+import sys
 import time
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
-from .conftest import SYSTEM_PROMPT, make_router
-from .fake_vllm import RoutingTransport
+from kvtether.router import RouterSettings, create_app
+from kvtether.stack._procs import free_port
+
+from .conftest import SYSTEM_PROMPT, Harness, make_router
+from .fake_vllm import BLOCK_SIZE, Cluster
 
 
 class TimedTransport(httpx.AsyncBaseTransport):
     """The fakes' transport, timing each upstream request by the turn's request id."""
 
-    def __init__(self, inner: RoutingTransport) -> None:
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
         self.inner = inner
         self.upstream_s: dict[str, float] = defaultdict(float)
 
@@ -72,13 +80,44 @@ class LoadResult:
         )
 
 
+@contextlib.asynccontextmanager
+async def _fakes_in_a_process() -> AsyncIterator[Harness]:
+    """The router in this process, the four fakes in another, over real HTTP."""
+    ports = [free_port() for _ in range(4)]
+    proc = subprocess.Popen([sys.executable, "-m", "tests.router.fake_servers",
+                             *map(str, ports)], stdout=subprocess.PIPE,
+                            cwd=Path(__file__).resolve().parents[2])
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        rs = RouterSettings(prefill_urls=urls[:2], decode_urls=urls[2:],
+                            decode_control_urls=urls[2:], kv_block_size_tokens=BLOCK_SIZE)
+        app = create_app(rs)
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                   base_url="http://router")
+        async with app.router.lifespan_context(app), client:
+            # The fakes' state lives in their process: a harness without them.
+            h = Harness.__new__(Harness)
+            h.cluster, h.prefill, h.decode = Cluster(), [], []
+            h.settings, h.app, h.client = rs, app, client
+            yield h
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 async def run_load(conversations: int = 200, turns: int = 4, tool_s: tuple[float, float] = (1, 3),
                    heartbeat_every_s: float = 1.0, stream_share: float = 0.5,
-                   seed: int = 1) -> LoadResult:
+                   seed: int = 1, fakes_in_process: bool = True) -> LoadResult:
+    """``fakes_in_process``: the fakes share the router's event loop (and their KV reads are
+    checked); otherwise they run in a process of their own, so the overhead measured is the
+    router's (and this client's) alone."""
     rng = random.Random(seed)
     result = LoadResult(conversations)
-    async with make_router(control=True, n_prefill=2, n_decode=2) as h:
-        timed = TimedTransport(h.transport)
+    harness = (make_router(control=True, n_prefill=2, n_decode=2) if fakes_in_process
+               else _fakes_in_a_process())
+    async with harness as h:
+        timed = TimedTransport(h.app.state.pool.all[0].client._transport)
         for b in h.app.state.pool.all:  # the router's upstream clients, now timed
             b.client._transport = timed
         client = h.client
@@ -124,6 +163,9 @@ async def run_load(conversations: int = 200, turns: int = 4, tool_s: tuple[float
         await asyncio.gather(*(conversation(i) for i in range(conversations)))
         result.wall_s = time.perf_counter() - t0
         h.assert_kv_correct()
-        assert not [r for d in h.decode for r in d.held_leases()], "KV left held"
+        for url in h.settings.decode_control_urls:  # no KV left held on any decode instance
+            status = (await h.app.state.pool.all[0].client.get(
+                f"{url}/kvtether/v1/status")).json()
+            assert status["totals"]["active_leases"] == 0, status
     return result
 
