@@ -82,3 +82,13 @@ async def test_the_openai_sdk_retries_a_dead_instance_answer(down: str) -> None:
         assert info.value.body["code"] == "upstream_unavailable"  # type: ignore[index]
         assert attempts == 3  # the SDK retried it twice
         await client.aclose()
+
+
+async def test_a_streamed_turn_whose_handle_fetch_fails_leaves_no_kv_on_decode() -> None:
+    async with make_router(control=True) as h:
+        a = h.conversation("nofetch")
+        h.d.fail_control_next(500)  # the handle fetch after the stream
+        t = await a.say("one", stream=True)
+        assert t.status == 200
+        assert h.d.held_leases() == []  # released by its key, not left to lapse
+        assert (await a.say("two")).outcome == "miss:not_retained"

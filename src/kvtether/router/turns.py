@@ -223,7 +223,9 @@ class TurnRunner:
             if handle:
                 logger.warning("decode %s returned a malformed KV handle; not reusing it",
                                decode.name)
-                await self.deps.leases.release(decode, ctx.handle_key)
+            # No usable handle (malformed, or the streamed turn's fetch failed): D may still
+            # hold the KV under the turn's key, and nobody would ever ask for it.
+            await self.deps.leases.release(decode, ctx.handle_key)
             return
         assert handle is not None
         if conv.retained is not None:  # cannot happen in order, but never leak a lease
