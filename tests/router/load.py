@@ -2,23 +2,24 @@
 
 Each conversation runs turns separated by a tool call of a few seconds, heartbeating its lease
 every second while the tool runs, then releases. The router's overhead per turn is the turn's
-latency at the client minus the time the fake instances took for its prefill and decode legs
-(requests carrying the turn's ``X-Request-Id``): parsing, planning, the table, tokenize and
-lease calls, relaying, and waiting for the one event loop the router and the fakes share.
+latency at the client minus the time the router spent waiting on upstream calls for it
+(tokenize, prefill and decode legs with their bodies, lease and handle calls): parsing,
+planning, the table, relaying, and waiting for its event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import random
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -29,21 +30,77 @@ from .conftest import SYSTEM_PROMPT, Harness, make_router
 from .fake_vllm import BLOCK_SIZE, Cluster
 
 
+# The upstream time of the request the router is handling (set per request by timed_app).
+_upstream_s: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar(
+    "upstream_s", default=None)
+
+
 class TimedTransport(httpx.AsyncBaseTransport):
-    """The fakes' transport, timing each upstream request by the turn's request id."""
+    """The router's upstream transport, adding each call's time (and its body's) to the
+    request the router is handling: tokenize, prefill, decode, lease and handle calls."""
 
     def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
         self.inner = inner
-        self.upstream_s: dict[str, float] = defaultdict(float)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        acc = _upstream_s.get()
         t0 = time.perf_counter()
         try:
-            return await self.inner.handle_async_request(request)
+            r = await self.inner.handle_async_request(request)
         finally:
-            rid = request.headers.get("X-Request-Id")
+            if acc is not None:
+                acc[0] += time.perf_counter() - t0
+        if acc is None:
+            return r
+        assert isinstance(r.stream, httpx.AsyncByteStream)
+        return httpx.Response(r.status_code, headers=r.headers,
+                              stream=_TimedStream(r.stream, acc), extensions=r.extensions)
+
+
+class _TimedStream(httpx.AsyncByteStream):
+    def __init__(self, inner: httpx.AsyncByteStream, acc: list[float]) -> None:
+        self.inner, self.acc = inner, acc
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        chunks = self.inner.__aiter__()
+        while True:
+            t0 = time.perf_counter()
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                return
+            finally:
+                self.acc[0] += time.perf_counter() - t0
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def timed_app(app: Any, sink: dict[str, float]) -> Any:
+    """The router app, recording per request (by its ``X-Request-Id``) its upstream time."""
+
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        acc = [0.0]
+        rid = None
+
+        async def send_(message: Any) -> None:
+            nonlocal rid
+            if message["type"] == "http.response.start":
+                rid = dict(message["headers"]).get(b"x-request-id", b"").decode() or None
+            await send(message)
+
+        token = _upstream_s.set(acc)
+        try:
+            await app(scope, receive, send_)
+        finally:
+            _upstream_s.reset(token)
             if rid:
-                self.upstream_s[rid] += time.perf_counter() - t0
+                sink[rid] = acc[0]
+
+    return wrapped
 
 
 @dataclass
@@ -120,8 +177,10 @@ async def run_load(conversations: int = 200, turns: int = 4, tool_s: tuple[float
         timed = TimedTransport(h.app.state.pool.all[0].client._transport)
         for b in h.app.state.pool.all:  # the router's upstream clients, now timed
             b.client._transport = timed
-        client = h.client
-        client.timeout = httpx.Timeout(120.0)
+        upstream_s: dict[str, float] = {}
+        client = h.client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=timed_app(h.app, upstream_s)),
+            base_url="http://router", timeout=120)
 
         async def heartbeats(cid: str, until_s: float) -> None:
             while time.perf_counter() < until_s:
@@ -151,7 +210,7 @@ async def run_load(conversations: int = 200, turns: int = 4, tool_s: tuple[float
                 messages.append(turn.assistant_message())
                 result.turn_s.append(seconds)
                 rid = turn.headers["X-Request-Id"]
-                result.overhead_s.append(seconds - timed.upstream_s.pop(rid, 0.0))
+                result.overhead_s.append(seconds - upstream_s.pop(rid, 0.0))
                 if t > 0:
                     result.eligible += 1
                     result.fired += turn.outcome == "fired"
