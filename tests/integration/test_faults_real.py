@@ -361,5 +361,7 @@ def test_decode_killed_mid_turn(faults: FaultStack, reference_vllm: Reference):
     outcome = c.turn(retry_s=60)
     assert outcome.startswith("miss:"), outcome  # its KV died with it
     print(f"decode back: next turn {outcome}, then {c.turn()}")
-    assert_nothing_held(faults)
+    # The prompt KV prefill computed for r2 waited for a reader that never came: it goes when
+    # vLLM's prefill lease (kv_lease_duration, 120 s on CPU profiles) lapses.
+    print(f"all KV freed {assert_nothing_held(faults, within_s=150):.0f} s after")
     assert sum(line.endswith("restarting it") for line in faults.say) >= 3, faults.say

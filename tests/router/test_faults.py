@@ -92,3 +92,19 @@ async def test_a_streamed_turn_whose_handle_fetch_fails_leaves_no_kv_on_decode()
         assert t.status == 200
         assert h.d.held_leases() == []  # released by its key, not left to lapse
         assert (await a.say("two")).outcome == "miss:not_retained"
+
+
+async def test_no_prefill_leg_while_every_decode_instance_is_down() -> None:
+    async with make_router(control=True) as h:
+        a = h.conversation("nodecode")
+        await a.say("one")
+        h.d.down = True
+        first = await h.chat(a.messages + [{"role": "user", "content": "two"}], "nodecode")
+        assert first.status == 503  # found out by the decode leg
+        legs = len(h.p.requests)
+        again = await h.chat(a.messages + [{"role": "user", "content": "two"}], "nodecode")
+        assert again.status == 503 and again.body["error"]["code"] == "upstream_unavailable"
+        assert len(h.p.requests) == legs  # prefill did not compute KV nobody could read
+        h.d.down = False
+        await h.client.get("/health")  # the health probe takes it back
+        assert (await a.say("two")).status == 200

@@ -82,6 +82,11 @@ class TurnRunner:
         prefill = self.pool.pick_prefill()
         if prefill is None:
             raise RouterHTTPError(503, "no prefill instance is reachable; retry shortly")
+        if self.pool.decode and not any(b.available for b in self.pool.decode):
+            # Every decode instance just refused a connection: a prefill leg now would only
+            # pin its prompt's KV on P (until vLLM's prefill lease lapses) for nobody.
+            raise RouterHTTPError(503, "no decode instance is reachable; retry shortly",
+                                  code="upstream_unavailable")
 
         plan = await self._plan(req, conv, prefill)
         had_retained = conv is not None and conv.retained is not None
