@@ -22,7 +22,7 @@ test: setup
 	$(PY) -m pytest tests $(INTEGRATION_TESTS) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest tests $(INTEGRATION_TESTS) -m "not vllm" $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(INTEGRATION_TESTS) -m "not vllm and not soak" $(PYTEST_ARGS)
 
 # The four-strategy comparison (~25 min on 2 cores); results in .kvtether/bench/results-*/.
 bench: setup

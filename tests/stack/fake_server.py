@@ -8,6 +8,8 @@ Behaviour comes from env vars so one script covers every launcher scenario:
   SIGTERM (the launcher must SIGKILL it)
 - ``FAKE_IGNORE_TERM``: ``1`` makes this process ignore SIGTERM itself
 - ``FAKE_PID_FILE``: append ``<pid>`` lines for itself and its child
+- ``FAKE_ONCE_FILE``: the first process to boot creates this file; any later one (a restart)
+  finds it and exits with code 9 after booting, like an instance that cannot come back
 """
 
 from __future__ import annotations
@@ -59,6 +61,12 @@ def main() -> None:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"{args.name}: booting", flush=True)
     time.sleep(float(os.environ.get("FAKE_BOOT_S", "0.2")))
+    once = os.environ.get("FAKE_ONCE_FILE")
+    if once and os.path.exists(once):
+        print(f"{args.name}: fake failure: cannot come back", flush=True)
+        sys.exit(9)
+    if once:
+        open(once, "w").close()
     if code := os.environ.get("FAKE_EXIT_CODE"):
         print(f"{args.name}: fake failure: CUDA out of cheese", flush=True)
         sys.exit(int(code))

@@ -114,16 +114,6 @@ def test_killed_up_process_takes_its_instances_along(
     assert not state_path(fake_settings.state_dir).exists()
 
 
-def test_instance_crash_stops_the_stack(fake_settings: StackSettings, tmp_path: Path) -> None:
-    up = Foreground(fake_settings, tmp_path)
-    up.wait_running()
-    decode = next(p for p in load_state(fake_settings.state_dir).processes if p.name == "decode-0")  # type: ignore[union-attr]
-    os.kill(decode.pid, signal.SIGKILL)
-    assert up.exit_code() == 1, up.output()
-    assert "decode-0 exited unexpectedly" in up.output()
-    assert all_dead(up.pids()), up.output()
-
-
 def test_ctrl_c_while_starting(fake_settings: StackSettings, tmp_path: Path) -> None:
     up = Foreground(fake_settings, tmp_path, all={"FAKE_BOOT_S": "30"})
     deadline = time.monotonic() + 20
@@ -144,3 +134,74 @@ def test_failure_while_starting_prints_the_log_tail(
     assert "prefill-0 exited with code 7 while starting" in out
     assert "CUDA out of cheese" in out
     assert all_dead(up.pids())
+
+
+def _record(settings: StackSettings, name: str):  # noqa: ANN202
+    state = load_state(settings.state_dir)
+    assert state is not None
+    return next(p for p in state.processes if p.name == name)
+
+
+def _wait_for(predicate, timeout_s: float = 30) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_instance_crash_stops_the_stack_without_restart(
+    fake_settings: StackSettings, tmp_path: Path
+) -> None:
+    up = Foreground(fake_settings.model_copy(update={"restart": False}), tmp_path)
+    up.wait_running()
+    os.kill(_record(fake_settings, "decode-0").pid, signal.SIGKILL)
+    assert up.exit_code() == 1, up.output()
+    assert "decode-0 exited unexpectedly" in up.output()
+    assert all_dead(up.pids()), up.output()
+
+
+def test_a_killed_instance_is_restarted_and_serves_again(
+    fake_settings: StackSettings, tmp_path: Path
+) -> None:
+    import httpx
+
+    settings = fake_settings.model_copy(update={"restart_backoff_s": 0.2})
+    up = Foreground(settings, tmp_path)
+    up.wait_running()
+    old = _record(settings, "decode-0")
+    os.kill(old.pid, signal.SIGKILL)
+    _wait_for(lambda: "decode-0 is back" in up.output())
+    new = _record(settings, "decode-0")
+    assert new.pid != old.pid and new.port == old.port
+    assert httpx.get(f"{new.url}/health", timeout=5).status_code == 200
+    out = up.output()
+    assert "decode-0 exited unexpectedly (code -9); restarting it" in out
+    assert "restarting decode-0 in 0.2 s" in out
+    assert up.proc.poll() is None  # the stack stays up
+    # The dead instance's child (vLLM's engine core) is gone, not orphaned.
+    pids = up.pids()
+    up.proc.send_signal(signal.SIGINT)
+    assert up.exit_code() == 0, up.output()
+    assert all_dead(pids), up.output()
+    assert new.log_path.read_text().count("decode-0: booting") == 2  # the crash's log is kept
+
+
+def test_an_instance_that_cannot_come_back_is_given_up_with_back_off(
+    fake_settings: StackSettings, tmp_path: Path
+) -> None:
+    settings = fake_settings.model_copy(update={
+        "restart_backoff_s": 0.1, "restart_backoff_max_s": 0.3, "restart_max_failures": 4})
+    up = Foreground(settings, tmp_path, **{"decode-0": {"FAKE_ONCE_FILE": str(tmp_path / "once")}})
+    up.wait_running()
+    os.kill(_record(settings, "decode-0").pid, signal.SIGKILL)
+    assert up.exit_code() == 1, up.output()
+    out = up.output()
+    # Each failed restart doubles the wait, up to the cap.
+    delays = [line.split(" in ")[1].split(" s")[0] for line in out.splitlines()
+              if line.startswith("restarting decode-0 in")]
+    assert delays == ["0.1", "0.2", "0.3"], out
+    assert out.count("restart of decode-0 failed: exited with code 9 while starting") == 3
+    assert "decode-0 failed 4 times within 600 s; giving up" in " ".join(out.split())
+    assert "cannot come back" in out  # the log tail
+    assert all_dead(up.pids()), out
+    assert not state_path(settings.state_dir).exists()

@@ -24,7 +24,11 @@ from kvtether.router._deps import RouterDeps
 from kvtether.router._errors import RouterHTTPError, UpstreamError, error_response
 from kvtether.router.access import AccessMiddleware, KeyRing, tenant_of
 from kvtether.router.backends import BackendPool
-from kvtether.router.conversations import ConversationStore, InMemoryConversationStore
+from kvtether.router.conversations import (
+    ConversationStore,
+    ConversationTableFullError,
+    InMemoryConversationStore,
+)
 from kvtether.router.leases import LeaseClient
 from kvtether.router.metrics import RouterMetrics
 from kvtether.router.retention import Retention
@@ -63,7 +67,8 @@ def create_app(
             task.add_done_callback(background.discard)
 
     store = store or InMemoryConversationStore(
-        settings.max_conversations, release_dropped, clock.now_unix_s
+        settings.max_conversations, release_dropped, clock.now_unix_s,
+        max_turn_records=settings.max_turn_records,
     )
     secret = settings.control_secret.get_secret_value() if settings.control_secret else None
     deps = RouterDeps(settings, pool, store, LeaseClient(control_secret=secret), metrics, clock)
@@ -176,6 +181,7 @@ def create_app(
         exception_handlers={
             RouterHTTPError: _counted(_router_error, metrics),
             HTTPException: _counted(_http_error, metrics),
+            ConversationTableFullError: _counted(_table_full, metrics),
             Exception: _counted(_internal_error, metrics),
         },
     )
@@ -254,6 +260,12 @@ async def _router_error(request: Request, exc: Exception) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     return error_response(exc.status_code, exc.detail or "request failed")
+
+
+async def _table_full(request: Request, exc: Exception) -> Response:
+    return error_response(503, "the router's conversation table is full and every "
+                               "conversation in it has a turn in flight; retry shortly",
+                          code="conversation_table_full")
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:

@@ -12,14 +12,27 @@ from __future__ import annotations
 import asyncio
 import time
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvtether.protocol import LeaseInfo, MissCause, Phase, SessionStatus, TurnRecord
 
-__all__ = ["RetainedKV", "Conversation", "ConversationStore", "InMemoryConversationStore"]
+__all__ = [
+    "RetainedKV",
+    "Conversation",
+    "ConversationStore",
+    "ConversationTableFullError",
+    "InMemoryConversationStore",
+]
+
+# Turn records kept per conversation when the store is not told otherwise.
+DEFAULT_MAX_TURN_RECORDS = 64
+
+
+class ConversationTableFullError(Exception):
+    """Every conversation in a full table has a turn in flight: none can be dropped."""
 
 
 @dataclass
@@ -49,7 +62,14 @@ class Conversation:
     retained: RetainedKV | None = None
     # Why there is no retained KV right now (released, evicted, expired...), for the next turn.
     gone_cause: MissCause | None = None
-    turns: list[TurnRecord] = field(default_factory=list)
+    # The last turns only (bounded); the totals below count every turn.
+    turns: deque[TurnRecord] = field(
+        default_factory=lambda: deque(maxlen=DEFAULT_MAX_TURN_RECORDS)
+    )
+    turn_count: int = 0
+    fired_turns: int = 0
+    prompt_tokens_total: int = 0
+    reused_tokens_total: int = 0
     # The token sequence (prompt + output) the last finished turn built, kept after its KV is
     # gone: what the next turn could have reused. One sequence, 4 bytes a token.
     last_token_ids: array | None = field(default=None, repr=False)
@@ -57,6 +77,8 @@ class Conversation:
     # Latest client hints (turn hints or heartbeats), used to value the lease.
     phase: Phase | None = None
     expected_next_prompt_tokens: int | None = None
+    # A DELETE that came while this turn was in flight: free its KV as soon as it settles.
+    release_after_turn: int | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
 
     @property
@@ -65,7 +87,15 @@ class Conversation:
 
     @property
     def next_turn(self) -> int:
-        return len(self.turns) + 1
+        return self.turn_count + 1
+
+    def add_turn(self, record: TurnRecord) -> None:
+        """Keep a finished (or failed) turn's record; the oldest record beyond the cap goes."""
+        self.turns.append(record)
+        self.turn_count += 1
+        self.fired_turns += record.outcome == "fired"
+        self.prompt_tokens_total += record.prompt_tokens
+        self.reused_tokens_total += record.reused_tokens
 
     def remember_sequence(self, token_ids: list[int]) -> None:
         """Keep what a finished turn built (replacing the previous turn's)."""
@@ -98,6 +128,10 @@ class Conversation:
             lease_state=self.lease_state(now),  # type: ignore[arg-type]
             lease_key=r.handle_key if r else None,
             turns=list(self.turns),
+            turn_count=self.turn_count,
+            fired_turns=self.fired_turns,
+            prompt_tokens_total=self.prompt_tokens_total,
+            reused_tokens_total=self.reused_tokens_total,
         )
 
 
@@ -116,18 +150,25 @@ class ConversationStore(Protocol):
 
 
 class InMemoryConversationStore:
-    """Single-process table; least-recently-active conversations are dropped past the cap."""
+    """Single-process table that never holds more than ``max_conversations``.
+
+    A new conversation in a full table drops the least recently active one that has no turn in
+    flight (``on_drop`` frees the KV it still retains); if every one is mid-turn, the new one is
+    refused with :class:`ConversationTableFullError` rather than grow the table.
+    """
 
     def __init__(
         self,
         max_conversations: int = 100_000,
         on_drop: Callable[[Conversation], None] | None = None,
         now_unix_s: Callable[[], float] = time.time,
+        max_turn_records: int = DEFAULT_MAX_TURN_RECORDS,
     ) -> None:
         self._items: OrderedDict[tuple[str, str], Conversation] = OrderedDict()
         self._max = max_conversations
         self._on_drop = on_drop  # frees what a dropped conversation still holds
         self._now_unix_s = now_unix_s  # the router's clock, for new conversations' timestamps
+        self._max_turn_records = max_turn_records
 
     def get(self, conversation_id: str, tenant: str = "") -> Conversation | None:
         conv = self._items.get((tenant, conversation_id))
@@ -138,17 +179,33 @@ class InMemoryConversationStore:
     def get_or_create(self, conversation_id: str, tenant: str = "") -> Conversation:
         conv = self.get(conversation_id, tenant)
         if conv is None:
-            conv = Conversation(conversation_id, tenant, last_active_unix_s=self._now_unix_s())
+            if len(self._items) >= self._max:
+                self._drop_oldest_idle(len(self._items) - self._max + 1)
+            conv = Conversation(
+                conversation_id,
+                tenant,
+                last_active_unix_s=self._now_unix_s(),
+                turns=deque(maxlen=self._max_turn_records),
+            )
             self._items[conv.key] = conv
-            while len(self._items) > self._max:
-                _, dropped = self._items.popitem(last=False)
-                if dropped.lock.locked():  # in use: keep it, drop the next oldest instead
-                    self._items[dropped.key] = dropped
-                    self._items.move_to_end(dropped.key, last=False)
-                    break
-                if self._on_drop is not None:
-                    self._on_drop(dropped)
         return conv
+
+    def _drop_oldest_idle(self, n: int) -> None:
+        """Drop the ``n`` least recently active conversations that have no turn in flight."""
+        victims = []
+        for conv in self._items.values():  # oldest first
+            if not conv.lock.locked():
+                victims.append(conv)
+                if len(victims) == n:
+                    break
+        if len(victims) < n:
+            raise ConversationTableFullError(
+                f"all {len(self._items)} conversations have a turn in flight"
+            )
+        for conv in victims:
+            del self._items[conv.key]
+            if self._on_drop is not None:
+                self._on_drop(conv)
 
     def delete(self, conversation_id: str, tenant: str = "") -> Conversation | None:
         return self._items.pop((tenant, conversation_id), None)

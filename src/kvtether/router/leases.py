@@ -93,6 +93,29 @@ class LeaseClient:
         except ValueError:
             return RenewResult(RenewStatus.UNREACHABLE)
 
+    async def check(self, decode: Backend, key: str | None) -> RenewStatus:
+        """Whether D still holds the lease (a read of its lease table; nothing changes).
+
+        RENEWED here means "active"; UNSUPPORTED without a connector.
+        """
+        if not decode.control_url or not key:
+            return RenewStatus.UNSUPPORTED
+        try:
+            r = await decode.client.get(f"{decode.control_url}{_PREFIX}/leases/{key}",
+                                        timeout=self._timeout_s)
+        except httpx.HTTPError as exc:
+            logger.warning("lease check on %s failed: %r", decode.name, exc)
+            return RenewStatus.UNREACHABLE
+        if r.status_code in (404, 410):
+            return RenewStatus.GONE
+        if r.status_code != 200:
+            return RenewStatus.UNREACHABLE
+        try:
+            active = LeaseInfo.model_validate(r.json()).state == "active"
+        except ValueError:
+            return RenewStatus.UNREACHABLE
+        return RenewStatus.RENEWED if active else RenewStatus.GONE
+
     async def release(self, decode: Backend, key: str | None) -> bool:
         if not decode.control_url or not key:
             return False

@@ -4,7 +4,9 @@ released) before the client sees the end of the answer."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +22,10 @@ from kvtether.router.backends import Backend
 from kvtether.router.conversations import Conversation
 from kvtether.router.legs import failure_kind, json_or_502, note_failure, prompt_ids
 from kvtether.router.metrics import RouterMetrics
+
+logger = logging.getLogger(__name__)
+# Releases started when a stream ends early; held here so they are not garbage-collected.
+_background: set[asyncio.Task[Any]] = set()
 
 __all__ = ["Settle", "TurnContext", "relay_once", "relay_stream"]
 
@@ -70,14 +76,17 @@ async def relay_once(ctx: TurnContext, settle: Settle, clock: Clock) -> Response
 def relay_stream(
     ctx: TurnContext, settle: Settle, fetch_handle: Callable[[], Awaitable[dict[str, Any] | None]],
     clock: Clock, metrics: RouterMetrics,
+    release_unsettled: Callable[[], Awaitable[Any]] | None = None,
 ) -> Response:
     """Pass D's SSE stream through; the conversation's lock is released when it ends.
 
     vLLM does not put the handle in a stream, so it is fetched from D's connector
-    (``fetch_handle``) before ``[DONE]`` goes out.
+    (``fetch_handle``) before ``[DONE]`` goes out. A stream that ends before that (the client
+    went away, D or the network failed) calls ``release_unsettled``: D may have finished the
+    turn and hold its KV under a lease nobody will ask for.
     """
     conv, record, decode, upstream = ctx.conv, ctx.record, ctx.decode, ctx.upstream
-    finished = False
+    finished = settled = False
 
     def done() -> None:
         # Synchronous and idempotent: runs even when the client went away before (or
@@ -87,18 +96,24 @@ def relay_stream(
             return
         finished = True
         decode.inflight -= 1
+        if not settled and release_unsettled is not None:
+            task = asyncio.get_running_loop().create_task(release_unsettled())
+            _background.add(task)
+            task.add_done_callback(_background.discard)
         if conv is not None:
             if not any(t is record for t in conv.turns):
-                conv.turns.append(record)
+                conv.add_turn(record)
             conv.lock.release()
 
     async def relay() -> AsyncIterator[bytes]:
+        nonlocal settled
         try:
-            async for line in upstream.aiter_lines():
+            async for line in _lines_or_error(upstream, decode):
                 if line == "data: [DONE]":
                     # Settle before [DONE] reaches the client: SDKs close the connection on
                     # [DONE], and anything after that yield would be cancelled with it.
                     _complete(record, ctx, clock)
+                    settled = True
                     await settle(ctx, await fetch_handle())
                     yield b"data: [DONE]\n\n"
                     continue
@@ -132,6 +147,23 @@ def relay_stream(
                 done()
 
     return _Stream(relay(), media_type="text/event-stream", headers=ctx.headers)
+
+
+async def _lines_or_error(upstream: httpx.Response, decode: Backend) -> AsyncIterator[str]:
+    """D's SSE lines; if D fails mid-stream, one OpenAI-style error event ends the stream.
+
+    The status (200) went out with the first chunk, so the error travels as an SSE event, the
+    shape the OpenAI SDK raises ``APIError`` for; no ``[DONE]`` follows, and nothing is
+    retained for this turn.
+    """
+    try:
+        async for line in upstream.aiter_lines():
+            yield line
+    except httpx.HTTPError as exc:
+        logger.warning("decode %s failed mid-stream: %r", decode.name, exc)
+        body = p.error_body(f"decode instance {decode.name} failed while streaming the answer; "
+                            "retry the request", "upstream_error", code="upstream_unavailable")
+        yield "data: " + json.dumps(body, separators=(",", ":"))
 
 
 def _complete(record: p.TurnRecord, ctx: TurnContext, clock: Clock) -> None:

@@ -111,6 +111,9 @@ class Retention:
     async def release_by_client(self, conv: Conversation) -> int:
         """DELETE of the session: frees the KV; returns how many tokens were held."""
         freed = conv.retained.retained_tokens if conv.retained else 0
+        if conv.lock.locked():
+            # A turn is in flight (its handle already went to P): what it retains goes too.
+            conv.release_after_turn = conv.next_turn
         if conv.retained is not None:
             self.metrics.lease_events.labels("released").inc()
         await self.release(conv, p.MissCause.RELEASED)
@@ -195,15 +198,21 @@ class Retention:
         at hand-off costs one control call, made while the prompt is tokenized.
         """
         r = conv.retained
-        if r is None:
+        if r is None or r.handle_key is None:
             return
         now = self.deps.clock.now_unix_s()
         remaining_s = r.lease_deadline_unix_s - now
-        if (r.handle_key is None or remaining_s >= self.s.handoff_lease_s
-                or remaining_s <= self.s.lease_safety_margin_s):
+        if remaining_s <= self.s.lease_safety_margin_s:
             return
         decode = self.pool.by_name(r.decode_instance)
         if decode is None:
+            return
+        if remaining_s >= self.s.handoff_lease_s:
+            # Long enough, but is it still held? D may have dropped it behind the router's
+            # back (its own retained-token cap, a restart): a NIXL read of freed blocks would
+            # read whatever now fills them, so never forward a handle D has let go.
+            if await self.deps.leases.check(decode, r.handle_key) is RenewStatus.GONE:
+                r.lease_deadline_unix_s = now
             return
         result = await self.deps.leases.renew(decode, r.handle_key, self.s.handoff_lease_s)
         if result.status is RenewStatus.RENEWED and result.lease is not None:

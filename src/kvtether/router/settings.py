@@ -136,3 +136,13 @@ class RouterSettings(RetentionSettings, AccessSettings, BaseSettings):
         description="shared secret the kvtether connectors' control channels require "
         "(their KVTETHER_CONTROL_SECRET); `stack up` generates one and sets both",
     )
+    max_conversations: int = Field(
+        default=100_000, ge=1,
+        description="conversations the router remembers; past it the least recently active "
+        "one without a turn in flight is forgotten (its retained KV released)",
+    )
+    max_turn_records: int = Field(
+        default=64, ge=1,
+        description="turn records kept per conversation (GET /v1/sessions/{id} shows these; "
+        "its totals count every turn)",
+    )

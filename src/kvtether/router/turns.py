@@ -79,6 +79,11 @@ class TurnRunner:
         prefill = self.pool.pick_prefill()
         if prefill is None:
             raise RouterHTTPError(503, "no prefill instance is reachable; retry shortly")
+        if self.pool.decode and not any(b.available for b in self.pool.decode):
+            # Every decode instance just refused a connection: a prefill leg now would only
+            # pin its prompt's KV on P (until vLLM's prefill lease lapses) for nobody.
+            raise RouterHTTPError(503, "no decode instance is reachable; retry shortly",
+                                  code="upstream_unavailable")
 
         plan = await self._plan(req, conv, prefill)
         had_retained = conv is not None and conv.retained is not None
@@ -158,7 +163,10 @@ class TurnRunner:
         if req.stream:
             fetch = ((lambda: self.deps.leases.fetch_handle(decode, ctx.handle_key))
                      if kvtether else no_handle)
-            return relay_stream(ctx, settle, fetch, self.deps.clock, self.deps.metrics)
+            return relay_stream(
+                ctx, settle, fetch, self.deps.clock, self.deps.metrics,
+                release_unsettled=lambda: self.deps.leases.release(decode, ctx.handle_key),
+            )
         return await relay_once(ctx, settle, self.deps.clock)
 
     # ---------------------------------------------------------------- planning
@@ -211,7 +219,7 @@ class TurnRunner:
             # Nobody can ask for this KV again.
             await self.deps.leases.release(decode, ctx.handle_key)
             return
-        conv.turns.append(ctx.record)
+        conv.add_turn(ctx.record)
         conv.remember_sequence(ctx.prompt_ids + ctx.output_ids)
         conv.last_active_unix_s = self.deps.clock.now_unix_s()
         if hints is not None:
@@ -235,7 +243,9 @@ class TurnRunner:
             if handle:
                 logger.warning("decode %s returned a malformed KV handle; not reusing it",
                                decode.name)
-                await self.deps.leases.release(decode, ctx.handle_key)
+            # No usable handle (malformed, or the streamed turn's fetch failed): D may still
+            # hold the KV under the turn's key, and nobody would ever ask for it.
+            await self.deps.leases.release(decode, ctx.handle_key)
             return
         assert handle is not None
         if conv.retained is not None:  # cannot happen in order, but never leak a lease
@@ -247,8 +257,9 @@ class TurnRunner:
         self.retention.retain(
             conv, decode, handle, ctx.prompt_ids + ctx.output_ids, ctx.handle_key, lease_s
         )
-        if hints is not None and hints.phase == p.Phase.FINAL:
-            # The agent said this is its last turn: hold nothing.
+        if (hints is not None and hints.phase == p.Phase.FINAL
+                or conv.release_after_turn == ctx.record.turn):
+            # The agent said this is its last turn, or released the session meanwhile.
             await self.retention.release(conv, p.MissCause.RELEASED)
             return
         await self.retention.enforce_budget(conv, decode)

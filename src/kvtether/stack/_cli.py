@@ -11,6 +11,7 @@ from kvtether.stack._commands import CommandBuilder
 from kvtether.stack._errors import InstanceFailedError
 from kvtether.stack._procs import tail
 from kvtether.stack._state import state_path
+from kvtether.stack._supervise import RestartsExhaustedError
 from kvtether.stack.launcher import Stack, stack_down, stack_status
 from kvtether.stack.settings import StackSettings
 
@@ -48,9 +49,17 @@ def run_up(settings: StackSettings, commands: CommandBuilder | None = None) -> i
         _print_ready(console, stack, settings)
         if settings.detach:
             return 0
+        if settings.restart:
+            stack.supervise(say=lambda line: console.print(f"[yellow]{line}[/]", markup=True))
         exited = stack.wait()
     except InstanceFailedError as exc:
         _print_failure(console, exc)
+        return 1
+    except RestartsExhaustedError as exc:
+        console.print(f"[red]error:[/] {exc}", markup=True)
+        console.print(exc.log_tail, markup=False, style="dim")
+        stack.down()
+        console.print("stopped the stack")
         return 1
     except KeyboardInterrupt:
         if stack.state is None:  # up() has already stopped what it had started

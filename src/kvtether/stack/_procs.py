@@ -50,14 +50,16 @@ def spawn(
     log_path: Path,
     *,
     die_with_parent: bool = False,
+    append: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` as the leader of a new session, stdout and stderr into ``log_path``.
 
     ``die_with_parent`` asks Linux to SIGTERM the child if this process dies without stopping
     it (e.g. SIGKILL of a foreground ``stack up``); detached stacks must not use it.
+    ``append`` keeps what the log holds (a restarted instance's log keeps its crash).
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
+    with open(log_path, "ab" if append else "wb") as log:
         return subprocess.Popen(
             list(argv),
             env={**os.environ, **env},

@@ -14,9 +14,13 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from kvtether.errors import KVTetherError
 from kvtether.stack import _procs
@@ -28,7 +32,13 @@ from kvtether.stack._control import (
     status_of,
     stop_records,
 )
-from kvtether.stack._errors import ConfigError, PortInUseError, StackAlreadyRunningError, StackError
+from kvtether.stack._errors import (
+    ConfigError,
+    InstanceFailedError,
+    PortInUseError,
+    StackAlreadyRunningError,
+    StackError,
+)
 from kvtether.stack._health import Starting, wait_healthy
 from kvtether.stack._reference import start_reference_vllm
 from kvtether.stack._state import (
@@ -39,6 +49,7 @@ from kvtether.stack._state import (
     remove_state,
     save_state,
 )
+from kvtether.stack._supervise import RestartPolicy, supervise
 from kvtether.stack._warmup import WarmUpReport, warm_up
 from kvtether.stack.settings import StackSettings, resolve_model
 
@@ -169,6 +180,61 @@ class Stack:
                     return record
             time.sleep(poll_s)
 
+    def supervise(self, stop: threading.Event | None = None,
+                  say: Callable[[str], None] | None = None) -> None:
+        """Restart any process that dies, with back-off, until ``stop`` is set.
+
+        Raises :class:`~kvtether.stack._supervise.RestartsExhaustedError` when one keeps dying
+        (see :mod:`kvtether.stack._supervise`); the caller then stops the stack.
+        """
+        supervise(self, RestartPolicy.from_settings(self.settings), stop=stop, say=say)
+
+    # --- what the supervisor needs ------------------------------------------------------
+    def dead_processes(self) -> list[int]:
+        return [i for i, proc in enumerate(self._running) if proc.popen.poll() is not None]
+
+    def process_name(self, index: int) -> str:
+        return self._records()[index].name
+
+    def exit_code(self, index: int) -> int | None:
+        return self._running[index].popen.poll()
+
+    def log_path(self, index: int) -> Path:
+        return self._records()[index].log_path
+
+    def respawn(self, index: int) -> float:
+        """Start process ``index`` again (same ports, same command); wait for its health.
+
+        Returns seconds until healthy. Once a restarted engine is healthy, waits for the router
+        to take it back, then (with ``warm_up``) opens its NIXL links with throw-away turns.
+        """
+        assert self.state is not None
+        record = self.state.processes[index]
+        plan = next(p for p in self._plans if p.name == record.name)
+        # What the dead process left behind (vLLM's engine core) still holds its ports.
+        _procs.stop_group(record.pid, record.create_time, self.settings.stop_timeout_s)
+        cmd = self.commands.command(plan, self.settings)
+        with _procs.signals_deferred():
+            popen = _procs.spawn(cmd.argv, cmd.env, plan.log_path, append=True,
+                                 die_with_parent=self.die_with_parent)
+            started = Starting(plan.name, plan.url, plan.log_path, popen)
+            self._running[index] = started
+            self.state.processes[index] = record.model_copy(
+                update={"pid": popen.pid, "create_time": _procs.create_time(popen.pid)})
+            save_state(self.state_dir, self.state)
+        try:
+            wait_healthy([started], self.settings.health_timeout_s)
+        except InstanceFailedError:
+            _procs.stop_group(popen.pid, self.state.processes[index].create_time,
+                              self.settings.stop_timeout_s)
+            raise
+        assert started.healthy_after_s is not None
+        s = self.settings
+        if plan.role != "router" and s.start_router and s.warm_up:
+            if _router_admits(self.router_url, plan.name):
+                self._warm_up(self.served_model_name)
+        return started.healthy_after_s
+
     def down(self) -> list[int]:
         """Stop everything this stack started; return pids that survived (should be none)."""
         if self.state is None:
@@ -293,6 +359,21 @@ def _client_api_key(settings: StackSettings) -> str | None:
         except KVTetherError as exc:
             raise ConfigError(str(exc)) from None
     return None
+
+
+def _router_admits(router_url: str, name: str, timeout_s: float = 30.0) -> bool:
+    """Wait until the router's health check counts instance ``name`` healthy again."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=10.0, trust_env=False) as client:
+        while time.monotonic() < deadline:
+            try:
+                if client.get(f"{router_url}/health").json().get("backends", {}).get(name):
+                    return True
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+    logger.warning("the router has not taken %s back after %.0f s", name, timeout_s)
+    return False
 
 
 def _gpu_share(settings: StackSettings) -> float | None:

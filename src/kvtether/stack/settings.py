@@ -164,6 +164,22 @@ class StackSettings(RetentionSettings, AccessSettings, StackSettingsBase):
         "conversation: many instances, or churn). Decode instances are unchanged",
     )
 
+    restart: bool = Field(
+        default=True,
+        description="a foreground `stack up` restarts a process that exits, with back-off",
+    )
+    restart_backoff_s: float = Field(
+        default=2.0, gt=0, description="wait before the first restart; doubles per failure"
+    )
+    restart_backoff_max_s: float = Field(default=60.0, gt=0, description="longest back-off")
+    restart_max_failures: int = Field(
+        default=5, ge=1,
+        description="give up (and stop the stack) at this many failures of one process "
+        "(deaths or failed restarts) within --restart-window-s",
+    )
+    restart_window_s: float = Field(
+        default=600.0, gt=0, description="the window --restart-max-failures counts in"
+    )
     health_timeout_s: float = Field(default=300.0, gt=0, description="wait this long for /health")
     stop_timeout_s: float = Field(default=15.0, gt=0, description="SIGTERM grace before SIGKILL")
     state_dir: Path = Field(

@@ -1,0 +1,29 @@
+"""200 agent conversations at once through the router (fake vLLM P/D), heartbeats every second.
+
+Prints turn latency, the router's overhead per turn (latency minus the fakes' own time for the
+turn's prefill and decode legs) and heartbeat latency, p50 and p99.
+
+    python benchmarks/bench_load.py [--conversations 200] [--turns 4] [--fakes-in-process]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.router.load import run_load  # noqa: E402
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--conversations", type=int, default=200)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--fakes-in-process", action="store_true",
+                        help="run the fakes on the router's event loop (default: own process)")
+    args = parser.parse_args()
+    result = asyncio.run(run_load(args.conversations, args.turns,
+                                  fakes_in_process=args.fakes_in_process))
+    print(result.summary())

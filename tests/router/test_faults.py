@@ -1,0 +1,110 @@
+"""Faults on fake backends: what the client sees when an instance dies mid-answer, when a lease
+is released while its turn is in flight, and that the OpenAI SDK retries the router's 5xx."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from kvtether import protocol as p
+
+from .conftest import make_router
+
+
+async def test_decode_dying_mid_stream_ends_it_with_an_error_event_the_sdk_raises() -> None:
+    async with make_router(control=True) as h:
+        a = h.conversation("cut")
+        await a.say("one")
+        h.d.cut_streams_after = 400
+        t = await h.chat(a.messages + [{"role": "user", "content": "two"}], "cut", stream=True)
+        assert t.status == 200  # the status went out with the first chunk
+        assert t.lines[-1].startswith("data: {") and "data: [DONE]" not in t.lines
+        err = t.chunks[-1]["error"]  # type: ignore[index]
+        assert err["code"] == "upstream_unavailable" and "retry" in err["message"]
+        # The same through the OpenAI SDK: a clear APIError, not a silently short answer.
+        sdk = openai.AsyncOpenAI(base_url="http://router/v1", api_key="-",
+                                 http_client=h.client, max_retries=0)
+        stream = await sdk.chat.completions.create(
+            model="tiny", messages=a.messages + [{"role": "user", "content": "two"}],
+            stream=True, extra_headers={p.HEADER_CONVERSATION_ID: "cut"})
+        with pytest.raises(openai.APIError, match="failed while streaming"):
+            async for _ in stream:
+                pass
+        h.d.cut_streams_after = None
+        assert (await a.say("three")).status == 200  # the next turn is served
+        assert len(h.d.held_leases()) == 1  # only the last turn's KV is held
+        h.assert_kv_correct()
+
+
+async def test_release_while_the_turn_is_in_flight_frees_what_that_turn_retains() -> None:
+    async with make_router(control=True) as h:
+        a = h.conversation("rel")
+        await a.say("one")
+        release = h.d.hold_next()
+        turn = asyncio.create_task(a.say("two"))
+        while not h.d.holding:
+            await asyncio.sleep(0.01)
+        deleted = await h.client.delete("/v1/sessions/rel")
+        assert deleted.status_code == 200
+        release.set()
+        t = await turn
+        assert t.status == 200  # the turn in flight is answered
+        assert h.d.held_leases() == []  # and its KV freed as soon as it settled
+        st = (await h.client.get("/v1/sessions/rel")).json()
+        assert st["lease_state"] == "released" and st["retained_tokens"] == 0
+        assert (await a.say("three")).outcome == "miss:released"
+        assert len(h.d.held_leases()) == 1  # a later turn retains again
+        h.assert_kv_correct()
+
+
+@pytest.mark.parametrize("down", ["prefill", "decode"])
+async def test_the_openai_sdk_retries_a_dead_instance_answer(down: str) -> None:
+    async with make_router(control=True) as h:
+        attempts = 0
+
+        async def count(request: httpx.Request) -> None:
+            nonlocal attempts
+            attempts += request.url.path.endswith("/chat/completions")
+
+        client = httpx.AsyncClient(transport=h.client._transport, base_url="http://router",
+                                   event_hooks={"request": [count]})
+        sdk = openai.AsyncOpenAI(base_url="http://router/v1", api_key="-", http_client=client,
+                                 max_retries=2)
+        (h.p if down == "prefill" else h.d).down = True
+        with pytest.raises(openai.APIStatusError) as info:
+            await sdk.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}],
+                extra_headers={p.HEADER_CONVERSATION_ID: "retry"})
+        assert info.value.status_code in (502, 503)
+        assert info.value.body["code"] == "upstream_unavailable"  # type: ignore[index]
+        assert attempts == 3  # the SDK retried it twice
+        await client.aclose()
+
+
+async def test_a_streamed_turn_whose_handle_fetch_fails_leaves_no_kv_on_decode() -> None:
+    async with make_router(control=True) as h:
+        a = h.conversation("nofetch")
+        h.d.fail_control_next(500)  # the handle fetch after the stream
+        t = await a.say("one", stream=True)
+        assert t.status == 200
+        assert h.d.held_leases() == []  # released by its key, not left to lapse
+        assert (await a.say("two")).outcome == "miss:not_retained"
+
+
+async def test_no_prefill_leg_while_every_decode_instance_is_down() -> None:
+    async with make_router(control=True) as h:
+        a = h.conversation("nodecode")
+        await a.say("one")
+        h.d.down = True
+        first = await h.chat(a.messages + [{"role": "user", "content": "two"}], "nodecode")
+        assert first.status == 503  # found out by the decode leg
+        legs = len(h.p.requests)
+        again = await h.chat(a.messages + [{"role": "user", "content": "two"}], "nodecode")
+        assert again.status == 503 and again.body["error"]["code"] == "upstream_unavailable"
+        assert len(h.p.requests) == legs  # prefill did not compute KV nobody could read
+        h.d.down = False
+        await h.client.get("/health")  # the health probe takes it back
+        assert (await a.say("two")).status == 200
