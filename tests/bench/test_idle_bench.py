@@ -40,6 +40,7 @@ def test_eligible_turns_exclude_prefix_breaks_and_fired_is_compared_on_ttft() ->
         _turn(3, "fired", 2.0, 0.10),
         _turn(4, "fired", 0.5, 0.35),  # faster turn, slower first token
         _turn(5, "miss:lease_expired", 1.0, 0.50),
+        _turn(6, "miss:below_threshold", 1.0, 0.50),
     ])
     assert (v.fired, v.eligible, v.prefix_breaks) == (2, 3, 1)
     assert v.fired_faster_than_first() == 1

@@ -88,9 +88,11 @@ class VariantResult:
 
     @property
     def eligible(self) -> int:
-        """Turns 2+ whose prompt extends what decode holds (a prefix break is the client
-        rewriting history, e.g. a retokenized answer: only a salvaged prefix can be read)."""
-        return sum(t.outcome != "miss:prefix_break" for t in self.turns[1:])
+        """Turns 2+ that had something to reuse: fired, or a miss that lost KV (the router's
+        labels, README "The wire contract": ``first_turn``, ``no_conversation_id``,
+        ``below_threshold`` and ``prefix_break`` are not eligible)."""
+        not_eligible = {f"miss:{c.value}" for c in p.NOT_ELIGIBLE_CAUSES}
+        return sum(t.outcome not in not_eligible for t in self.turns[1:])
 
     @property
     def fired(self) -> int:
@@ -331,7 +333,7 @@ def render(result: IdleBenchResult) -> None:
     row("fired turns faster than turn 1" + (" (TTFT)" if result.stream else ""),
         lambda v: f"{v.fired_faster_than_first()}/{v.fired}")
     row("reuse fired / eligible turns", lambda v: f"{v.fired}/{v.eligible}")
-    row("prefix breaks (not eligible)", lambda v: str(v.prefix_breaks))
+    row("prefix breaks, nothing reusable (not eligible)", lambda v: str(v.prefix_breaks))
     row("NIXL reads", lambda v: str(v.nixl_reads))
     row("NIXL read p50 (ms)", lambda v: ms(v.nixl_read_p50_ms))
     row("NIXL read p99 (ms)", lambda v: ms(v.nixl_read_p99_ms))
