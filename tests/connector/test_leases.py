@@ -214,3 +214,13 @@ def test_turn_not_retained_under_a_reused_key_hides_the_older_handle(clock: Fake
     table.not_retained("k", "r2")
     assert table.handle("k", 0).body["error"]["code"] == "not_retained"
     assert table.lease("r1").body["state"] == "active"
+
+
+def test_a_release_that_comes_before_its_lease_opens_frees_it_at_once(clock: FakeClock) -> None:
+    # The router gave up on a streamed turn (client gone) while decode was still finishing it.
+    table = make_table(clock)
+    assert table.release("k-early").status == 404
+    updates = open_lease(table, key="k-early", rid="r-early", ttl_s=60)
+    assert updates["r-early"] <= clock.now  # the worker frees the blocks at its next step
+    assert table.totals().active_leases == 0
+    assert open_lease(table, key="k-other", rid="r-other", ttl_s=60)["r-other"] > clock.now

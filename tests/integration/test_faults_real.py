@@ -166,7 +166,10 @@ def assert_nothing_held(fs: FaultStack, within_s: float = 3 * LEASE_TTL_S + 10) 
         now = held(fs)
         if all(v == (0, 0.0) for v in now.values()):
             return time.monotonic() - t0
-        assert time.monotonic() - t0 < within_s, f"KV still held: {now}"
+        if time.monotonic() - t0 >= within_s:
+            leases = {n: httpx.get(f"{u}/kvtether/v1/leases", timeout=10).json()["leases"]
+                      for n, u in fs.controls.items()}
+            raise AssertionError(f"KV still held: {now}; leases: {leases}")
         time.sleep(0.5)
 
 
@@ -254,7 +257,7 @@ def test_lease_released_while_its_turn_is_in_flight(faults: FaultStack, referenc
 
 def _tampering_router(fs: FaultStack, tamper: threading.Event):
     """An in-process router whose prefill legs, while ``tamper`` is set, carry D's handle with
-    a wrong engine id: prefill's NIXL handshake with D fails, as a broken link would."""
+    an unknown engine at a dead port: prefill's NIXL handshake fails, as a broken link would."""
     import uvicorn
 
     from kvtether.router import RouterSettings, create_app
@@ -265,11 +268,17 @@ def _tampering_router(fs: FaultStack, tamper: threading.Event):
                 body = json.loads(request.content)
                 kvp = body.get("kv_transfer_params") or {}
                 if kvp.get("do_remote_decode") and kvp.get("remote_block_ids"):
-                    kvp["remote_engine_id"] = "no-such-engine"
+                    # An engine P has not met, at a port where nothing listens.
+                    kvp["remote_engine_id"] = f"no-such-engine-{uuid.uuid4().hex[:6]}"
+                    kvp["remote_port"] = dead_port
                     request = httpx.Request(request.method, request.url, json=body,
                                             headers={"X-Request-Id": request.headers.get(
                                                 "X-Request-Id", "")})
             return await super().handle_async_request(request)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
 
     @contextlib.contextmanager
     def running() -> Iterator[str]:

@@ -111,6 +111,9 @@ class LeaseTable:
         self._live: dict[str, _Lease] = {}
         self._key_of: dict[str, str] = {}  # request id -> key of its live lease
         self._ended: OrderedDict[str, _Lease] = OrderedDict()
+        # Keys released before their turn finished (the router gave up on a stream): the lease
+        # they would open is released at once. Bounded like the history.
+        self._released_early: OrderedDict[str, None] = OrderedDict()
         self._ops: list[_Op] = []
         self._counters: Counter[str] = Counter({name: 0 for name in COUNTER_NAMES})
         # Called (outside the lock) when an operation waits for the engine loop: a sleeping
@@ -136,6 +139,8 @@ class LeaseTable:
             lease = _Lease(key, request_id, dict(handle), retained_blocks, retained_tokens,
                            deadline=now + min(ttl_s, self.max_lease_ttl_s), created=now)
             updates = self._make_room(lease, now)
+            if self._released_early.pop(key, False) is None:
+                self._start_release(lease, now, LeaseState.RELEASED)
             self._live[key] = lease
             self._key_of[request_id] = key
             if lease.state is LeaseState.ACTIVE:
@@ -304,6 +309,11 @@ class LeaseTable:
         if lease is None:
             ended = self._ended.get(op.key)
             if ended is None:
+                if op.kind == "release":
+                    # Its turn may still be finishing: free what it retains when it opens.
+                    self._released_early[op.key] = None
+                    while len(self._released_early) > self._history:
+                        self._released_early.popitem(last=False)
                 return _error(404, f"no lease {op.key!r}", "not_found")
             # DELETE is idempotent; renewing a lease that ended is not possible.
             if op.kind == "release":
