@@ -50,8 +50,8 @@ def _scenario_args(parser: argparse.ArgumentParser) -> None:
                    help="tool calls drawn from the far tail, 540-900 s (default 2)")
     g.add_argument("--stream-fraction", type=float, default=0.5,
                    help="share of sessions that stream (default 0.5)")
-    g.add_argument("--arrival-s", type=float, default=20.0,
-                   help="mean workload seconds between session starts (default 20)")
+    g.add_argument("--arrival-s", type=float, default=60.0,
+                   help="mean workload seconds between session starts (default 60)")
 
 
 def _generate(args: argparse.Namespace) -> Scenario:

@@ -13,8 +13,8 @@ Two sources:
 
 * :func:`generate_scenario`: seeded; tool durations and result sizes, output lengths, human
   think time and user message sizes from :mod:`kvtether.bench.workload` (the distributions in
-  ``shared/notes/agent-workloads.md``), token counts scaled so the longest session ends near
-  ``context_tokens``. Rare long tools are rare in a short run: ``long_tools`` puts that many
+  ``shared/notes/agent-workloads.md``), each session's token counts scaled so it ends at
+  75-100% of ``context_tokens``. Rare long tools are rare in a short run: ``long_tools`` puts that many
   tool calls from the far tail (``long_tool_s``) into the scenario, so it has gaps that outlive a
   fixed TTL; the number is stored in the file.
 * :func:`load_scenario` also reads the conversation JSON of vLLM's ``benchmarks/multi_turn``
@@ -230,7 +230,7 @@ def generate_scenario(
     long_tool_s: tuple[float, float] = (540.0, 900.0),
     max_gap_s: float = 900.0,
     stream_fraction: float = 0.5,
-    arrival_s: float = 20.0,
+    arrival_s: float = 60.0,
     name: str | None = None,
 ) -> Scenario:
     """``sessions`` seeded agent sessions, each ending at 75-100% of ``context_tokens``.
