@@ -1,7 +1,7 @@
 """Load on the real P/D stack (tiny model): 8 conversations at once, heartbeats between turns.
 
 No turn may fail, every answer is token-identical to the colocated reference, and every turn
-after the first reuses the conversation's KV (each one extends the previous turn exactly).
+after the first reuses KV: read from decode, or (``miss:below_threshold``) already on prefill.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def _conversation(stack, reference, index: int, start: threading.Barrier) -> lis
             assert r.status_code == 200, (cid, turn, r.text)
             got = r.json()["choices"][0]
             out.append((cid, turn, r.headers[p.HEADER_REUSE], seconds,
+                        int(r.headers[p.HEADER_REUSED_TOKENS]),
                         got["token_ids"] == want["choices"][0]["token_ids"]))
             # The tool runs; the client heartbeats the lease meanwhile.
             hb = client.post(f"{stack.base_url}/v1/sessions/{cid}/heartbeat",
@@ -60,9 +61,11 @@ def test_eight_concurrent_conversations(pd_stack, reference_vllm):
         turns = [t for f in futures for t in f.result()]
     assert len(turns) == CONVERSATIONS * TURNS  # no failed turn
     assert all(identical for *_, identical in turns), [t for t in turns if not t[-1]]
-    later = [outcome for _, turn, outcome, _, _ in turns if turn > 1]
-    assert later == ["fired"] * len(later), turns
-    seconds = sorted(s for *_, s, _ in turns)
+    later = [(outcome, reused) for _, turn, outcome, _, reused, _ in turns if turn > 1]
+    # Eligible turns read decode's KV; "below_threshold" is a turn whose prompt prefill already
+    # holds but for fewer new tokens than vLLM's read threshold: reused locally, not read.
+    assert all(o in ("fired", "miss:below_threshold") and reused > 0 for o, reused in later), turns
+    seconds = sorted(s for *_, s, _, _ in turns)
     print(f"\n{CONVERSATIONS} conversations x {TURNS} turns: all identical, "
-          f"{later.count('fired')}/{len(later)} later turns fired; turn time p50 "
+          f"{sum(o == 'fired' for o, _ in later)}/{len(later)} later turns fired; turn time p50 "
           f"{seconds[len(seconds) // 2]:.2f} s, max {seconds[-1]:.2f} s")
