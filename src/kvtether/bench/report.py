@@ -113,9 +113,13 @@ def write_results(result: dict[str, Any], out: Path) -> list[Path]:
     return paths
 
 
-def _legend(ax: Any) -> None:
+def _save(plt: Any, fig: Any, ax: Any, path: Path) -> Path:
+    """Legend (if anything is labelled), write the PNG, free the figure."""
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
 
 
 def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
@@ -143,10 +147,7 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
                 label=name, color=COLORS.get(name))
     ax.set(xlabel="turn index", ylabel="eligible turns that reused (%)", ylim=(-5, 105),
            title="Reuse per turn index")
-    _legend(ax)
-    paths.append(out / "reuse_by_turn.png")
-    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    paths.append(_save(plt, fig, ax, out / "reuse_by_turn.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, data in strategies.items():
@@ -157,10 +158,7 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
                     label=name, color=COLORS.get(name))
     ax.set(xscale="log", xlabel="TTFT, turns 2+ (s, log)", ylabel="fraction of turns",
            title="TTFT CDF (streamed turns)")
-    _legend(ax)
-    paths.append(out / "ttft_cdf.png")
-    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    paths.append(_save(plt, fig, ax, out / "ttft_cdf.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, data in strategies.items():
@@ -169,8 +167,5 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
                 color=COLORS.get(name))
     ax.set(xlabel="workload time (min)", ylabel="KV tokens held on decode",
            title="Retained KV over time")
-    _legend(ax)
-    paths.append(out / "retained_kv.png")
-    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    paths.append(_save(plt, fig, ax, out / "retained_kv.png"))
     return paths
