@@ -10,12 +10,14 @@ lease tests need KV to lapse quickly, and the router decides each turn's lease l
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 from pathlib import Path
 
 import httpx
@@ -101,37 +103,39 @@ def pd_stack(
         yield handle
 
 
-def serve_router(stack: StackHandle, **settings):
-    """Run another kvtether router in this process over ``stack``'s vLLM instances."""
-    import contextlib
-
+@contextlib.contextmanager
+def serve_app(make_app: Callable[[int], Any]) -> Iterator[str]:
+    """Run the ASGI app ``make_app(port)`` on a free loopback port in a thread; yield its URL."""
     import uvicorn
 
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(make_app(port), port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive(), "router did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def serve_router(stack: StackHandle, **settings: Any) -> contextlib.AbstractContextManager[str]:
+    """Run another kvtether router in this process over ``stack``'s vLLM instances."""
     from kvtether.router import RouterSettings, create_app
 
-    @contextlib.contextmanager
-    def running() -> Iterator[str]:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        rs = RouterSettings(
+    def make_app(port: int) -> Any:
+        return create_app(RouterSettings(
             port=port, prefill_urls=stack.prefill_urls, decode_urls=stack.decode_urls,
             decode_control_urls=stack.decode_control_urls, control_secret=stack.control_secret,
             kv_block_size_tokens=stack.block_size_tokens, **settings,
-        )
-        server = uvicorn.Server(uvicorn.Config(create_app(rs), port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        try:
-            while not server.started:
-                assert thread.is_alive(), "router did not start"
-                time.sleep(0.05)
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            server.should_exit = True
-            thread.join(10)
+        ))
 
-    return running()
+    return serve_app(make_app)
 
 
 @pytest.fixture(scope="session")

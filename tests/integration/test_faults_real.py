@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from kvtether import protocol as p
-from tests.integration.conftest import _PORT_BASE, Reference
+from tests.integration.conftest import _PORT_BASE, Reference, serve_app
 
 pytestmark = [
     pytest.mark.vllm,
@@ -267,8 +267,6 @@ def test_lease_released_while_its_turn_is_in_flight(faults: FaultStack, referenc
 def _tampering_router(fs: FaultStack, tamper: threading.Event):
     """An in-process router whose prefill legs, while ``tamper`` is set, carry D's handle with
     an unknown engine at a dead port: prefill's NIXL handshake fails, as a broken link would."""
-    import uvicorn
-
     from kvtether.router import RouterSettings, create_app
 
     class Tamper(httpx.AsyncHTTPTransport):
@@ -289,11 +287,7 @@ def _tampering_router(fs: FaultStack, tamper: threading.Event):
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]
 
-    @contextlib.contextmanager
-    def running() -> Iterator[str]:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    def make_app(port: int) -> Any:
         prefill = [u for n, u in fs.urls.items() if n.startswith("prefill")]
         decode = [u for n, u in fs.urls.items() if n.startswith("decode")]
         rs = RouterSettings(
@@ -301,20 +295,9 @@ def _tampering_router(fs: FaultStack, tamper: threading.Event):
             decode_control_urls=[fs.controls[n] for n in fs.urls if n.startswith("decode")],
             lease_ttl_s=LEASE_TTL_S, handoff_lease_s=0,
         )
-        app = create_app(rs, transport=Tamper())
-        server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        try:
-            while not server.started:
-                assert thread.is_alive(), "router did not start"
-                time.sleep(0.05)
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            server.should_exit = True
-            thread.join(10)
+        return create_app(rs, transport=Tamper())
 
-    return running()
+    return serve_app(make_app)
 
 
 @pytest.mark.xfail(reason="the injected failure (handle naming an unknown engine at a dead "
