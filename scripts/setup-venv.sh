@@ -10,6 +10,22 @@ VLLM_VERSION=$(sed -n 's/^TARGET_VLLM_VERSION = "\(.*\)"$/\1/p' \
   "$(dirname "$0")/../src/kvtether/connector/_compat.py")
 [ -n "$VLLM_VERSION" ] || { echo "[setup] no TARGET_VLLM_VERSION in kvtether/connector/_compat.py" >&2; exit 1; }
 
+# A local Redis server for `--store redis://` (router replicas sharing conversations) and its
+# tests: Debian's redis-server (Valkey's valkey-server works too). Elsewhere install it with the
+# system's package manager; without one those tests skip, except under CI where they fail.
+if ! command -v redis-server >/dev/null 2>&1 && ! command -v valkey-server >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "[setup] installing redis-server (Debian package)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null \
+      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null; }
+    # The package starts a system-wide server on 6379; kvtether starts its own where needed.
+    (service redis-server stop || pkill -x redis-server) >/dev/null 2>&1 || true
+  else
+    echo "[setup] no redis-server: install it (apt install redis-server, brew install redis," \
+         "dnf install valkey) for the shared conversation store" >&2
+  fi
+fi
+
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 "${PIP[@]}" --upgrade pip >/dev/null
