@@ -27,8 +27,8 @@ from kvtether.router.settings import RouterSettings
 from kvtether.stack._commands import InstancePlan, kv_transfer_config
 from kvtether.stack.settings import StackSettings
 
-# The oldest minor the Kubernetes project still supports at the time of writing: a manifest
-# valid there is valid on the newer ones (kubernetes-validate ships 1.35-1.37 schemas too).
+# Pinned: the oldest of the three newest minors kubernetes-validate 1.37 ships (Kubernetes
+# supports three at a time). Fields these manifests use exist there and in every later one.
 K8S_VERSION = "1.35"
 
 # Router settings the manifests use that RouterSettings does not declare yet: the conversation
