@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +129,21 @@ def test_kustomization_resources_exist(kustomization: Path) -> None:
     assert resources
     missing = [r for r in resources if not (kustomization.parent / r).is_file()]
     assert not missing, f"{kustomization}: no such resource {missing}"
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (its kustomize) not installed")
+@pytest.mark.parametrize("kustomization", sorted(KUBE.rglob("kustomization.yaml")),
+                         ids=lambda p: str(p.relative_to(KUBE)))
+def test_kustomize_renders_every_listed_object(kustomization: Path) -> None:
+    rendered = subprocess.run(["kubectl", "kustomize", str(kustomization.parent)],
+                              capture_output=True, text=True, check=True, timeout=60).stdout
+    listed = [d for r in yaml.safe_load(kustomization.read_text())["resources"]
+              for d in yaml.safe_load_all((kustomization.parent / r).read_text()) if d]
+
+    def names(docs: list[dict[str, Any]]) -> list[tuple[str, str]]:
+        return sorted((d["kind"], d["metadata"]["name"]) for d in docs)
+
+    assert names(list(yaml.safe_load_all(rendered))) == names(listed)
 
 
 def test_router_flags_and_env_are_router_settings() -> None:
