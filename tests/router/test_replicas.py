@@ -173,3 +173,22 @@ async def test_store_down_turns_degrade_to_plain_pd(tmp_path: Path) -> None:
             assert (await agent.say("three")).outcome == "miss:first_turn"
             assert (await agent.say("four")).outcome == "fired"
             a.assert_kv_correct()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_store_lost_mid_turn_the_answer_is_still_delivered(
+    tmp_path: Path, stream: bool
+) -> None:
+    with RedisServer.running(redis_port(4), tmp_path) as server:
+        async with two_replicas(server.url, store_timeout_s=0.5) as (a, b):
+            agent = a.conversation("mid")
+            await agent.say("one")
+            gate = a.d.hold_next()
+            turn = asyncio.create_task(agent.say("two", stream=stream))
+            while not a.d.holding:
+                await asyncio.sleep(0.01)
+            server.stop()
+            gate.set()
+            assert (await turn).outcome == "fired"  # decided before the store went away
+            assert a.d.held_leases() == []  # its KV could not be recorded: freed at once
+            a.assert_kv_correct()

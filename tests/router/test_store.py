@@ -228,3 +228,18 @@ async def test_round_trips_per_turn_are_counted(redis_server: RedisServer) -> No
         assert 'kvtether_store_ops_total{op="save"} 3.0' in text
     finally:
         await store.aclose()
+
+
+async def test_an_expired_conversation_leaves_the_reaper_list(redis_server: RedisServer) -> None:
+    store = redis_store(redis_server, conversation_ttl_s=0.2)
+    try:
+        held = await store.lock("gone", "", wait_s=1)
+        held.conv.retained = retained(deadline=100.0)
+        await held.commit()
+        while await store.read("gone", "") is not None:  # Redis expires the idle conversation
+            await asyncio.sleep(0.05)
+        assert await store.lapsed(200.0) == [("", "gone")]
+        assert await store.try_lock("gone", "") is None
+        assert await store.lapsed(200.0) == []
+    finally:
+        await store.aclose()

@@ -334,7 +334,7 @@ class InMemoryConversationStore:
         if conv.lock.locked():
             try:
                 await asyncio.wait_for(conv.lock.acquire(), wait_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
                 raise ConversationBusyError(conversation_id) from None
         else:
             await conv.lock.acquire()

@@ -15,7 +15,12 @@ from kvtether import protocol as p
 from kvtether.router._deps import RouterDeps
 from kvtether.router.backends import Backend
 from kvtether.router.budget import pick_evictions
-from kvtether.router.conversations import Conversation, HeldConversation, RetainedKV
+from kvtether.router.conversations import (
+    Conversation,
+    HeldConversation,
+    RetainedKV,
+    StoreError,
+)
 from kvtether.router.leases import RenewStatus
 
 logger = logging.getLogger(__name__)
@@ -186,6 +191,13 @@ class Retention:
         valuable leases (see :mod:`kvtether.router.budget`; why that order differs from the
         connector's is written in :mod:`kvtether.protocol`).
         """
+        try:
+            await self._enforce_caps(conv, decode)
+        except StoreError as exc:
+            # The turn is answered all the same; the next one over the cap tries again.
+            logger.warning("retained-token caps not enforced (%s)", exc)
+
+    async def _enforce_caps(self, conv: Conversation, decode: Backend) -> None:
         await self._enforce_tenant_cap(conv)
         if conv.retained is None:  # the turn alone was over the tenant's cap
             return

@@ -58,7 +58,10 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   if ARGV[2] ~= 'turn' then data = redis.call('HGETALL', KEYS[2]) end
   return {0, redis.call('PTTL', KEYS[1]), data}
 end
-if ARGV[2] ~= 'turn' and redis.call('EXISTS', KEYS[2]) == 0 then return {-1, 0, {}} end
+if ARGV[2] ~= 'turn' and redis.call('EXISTS', KEYS[2]) == 0 then
+  redis.call('ZREM', KEYS[5], ARGV[4])  -- expired while it held KV: the reaper lets go
+  return {-1, 0, {}}
+end
 local token = redis.call('INCR', KEYS[3])
 redis.call('SET', KEYS[1], token, 'PX', ARGV[1])
 return {token, 0, redis.call('HGETALL', KEYS[2])}
@@ -245,8 +248,8 @@ class RedisConversationStore:
         pause_s = 0.005
         while True:
             token, pttl_ms, data = await self._call("lock", self._lock_script(
-                keys=[lock, conv_key, f"{self.prefix}fence", marker],
-                args=[self._lock_ttl_ms, "turn", self.conversation_ttl_ms],
+                keys=[lock, conv_key, f"{self.prefix}fence", marker, f"{self.prefix}leases"],
+                args=[self._lock_ttl_ms, "turn", self.conversation_ttl_ms, member],
             ))
             if token > 0:
                 conv = self._load(conversation_id, tenant, data)
@@ -263,9 +266,9 @@ class RedisConversationStore:
         member = f"{tenant}:{conversation_id}"
         lock, conv_key, marker = self._keys(member)
         token, _, data = await self._call("try_lock", self._lock_script(
-            keys=[lock, conv_key, f"{self.prefix}fence", marker],
+            keys=[lock, conv_key, f"{self.prefix}fence", marker, f"{self.prefix}leases"],
             args=[self._lock_ttl_ms, "mark" if release_after_turn else "try",
-                  self.conversation_ttl_ms],
+                  self.conversation_ttl_ms, member],
         ))
         if token < 0:
             return None
