@@ -20,6 +20,7 @@ from kvtether.router import create_app
 from ..redis_server import RedisServer, redis_port
 from .clock import ManualClock
 from .conftest import Harness, make_router
+from .test_concurrency import _raw_call_then_disconnect
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +193,21 @@ async def test_store_lost_mid_turn_the_answer_is_still_delivered(
             assert (await turn).outcome == "fired"  # decided before the store went away
             assert a.d.held_leases() == []  # its KV could not be recorded: freed at once
             a.assert_kv_correct()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_that_hangs_up_does_not_leave_the_conversation_locked(
+    redis_server: RedisServer, stream: bool
+) -> None:
+    # A lock left behind would outlive the next turn's wait (30 s expiry, 2 s wait): 409.
+    async with two_replicas(redis_server.url, store_lock_ttl_s=30,
+                            store_lock_wait_s=2) as (a, b):
+        agent = a.conversation("hangup")
+        await agent.say("one")
+        body = {"model": "tiny", "stream": stream,
+                "messages": agent.messages + [{"role": "user", "content": "two"}]}
+        await _raw_call_then_disconnect(a.app, "/v1/chat/completions", body,
+                                        {p.HEADER_CONVERSATION_ID: "hangup"}, send_yields=True)
+        agent.h = b
+        assert (await agent.say("two, retried")).status == 200
+        a.assert_kv_correct()

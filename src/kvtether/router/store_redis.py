@@ -52,10 +52,20 @@ logger = logging.getLogger(__name__)
 __all__ = ["RedisConversationStore"]
 
 _LOCK = """
+-- A turn loads the whole conversation; a heartbeat, release or reap what leases need.
+local function load()
+  if ARGV[2] == 'turn' then return redis.call('HGETALL', KEYS[2]) end
+  local out, names = {}, {'meta', 'ret', 'rtok'}
+  local values = redis.call('HMGET', KEYS[2], unpack(names))
+  for i, name in ipairs(names) do
+    if values[i] then out[#out + 1] = name; out[#out + 1] = values[i] end
+  end
+  return out
+end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   if ARGV[2] == 'mark' then redis.call('SET', KEYS[4], '1', 'PX', ARGV[3]) end
   local data = {}
-  if ARGV[2] ~= 'turn' then data = redis.call('HGETALL', KEYS[2]) end
+  if ARGV[2] ~= 'turn' then data = load() end
   return {0, redis.call('PTTL', KEYS[1]), data}
 end
 if ARGV[2] ~= 'turn' and redis.call('EXISTS', KEYS[2]) == 0 then
@@ -64,7 +74,7 @@ if ARGV[2] ~= 'turn' and redis.call('EXISTS', KEYS[2]) == 0 then
 end
 local token = redis.call('INCR', KEYS[3])
 redis.call('SET', KEYS[1], token, 'PX', ARGV[1])
-return {token, 0, redis.call('HGETALL', KEYS[2])}
+return {token, 0, load()}
 """
 
 # -1: fenced out; 1: saved (and unlocked if asked); 2: saved, a release was asked for while
@@ -122,8 +132,12 @@ class _RedisHeld:
     """A conversation loaded under its lock (``busy``: a snapshot; another holder has it)."""
 
     def __init__(self, store: RedisConversationStore, conv: Conversation, token: int,
-                 busy: bool) -> None:
+                 busy: bool, loaded: dict[bytes, bytes], partial: bool) -> None:
         self.conv = conv
+        # What was read: a save writes only the fields that changed (and, after a partial
+        # load, only fields it read).
+        self.loaded = loaded
+        self.partial = partial
         self.busy = busy
         self.writable = not busy
         self._store = store
@@ -159,7 +173,7 @@ class _RedisHeld:
         if self._done:
             return False
         try:
-            code = await self._store._save(self.conv, self._token, unlock=True)
+            code = await self._store._save(self, unlock=True)
         except BaseException:
             self._finish()
             raise
@@ -252,8 +266,10 @@ class RedisConversationStore:
                 args=[self._lock_ttl_ms, "turn", self.conversation_ttl_ms, member],
             ))
             if token > 0:
-                conv = self._load(conversation_id, tenant, data)
-                return _RedisHeld(self, conv, int(token), busy=False)
+                loaded = _fields(data)
+                conv = self._load(conversation_id, tenant, loaded)
+                return _RedisHeld(self, conv, int(token), busy=False, loaded=loaded,
+                                  partial=False)
             left_s = deadline - time.monotonic()
             if left_s <= 0:
                 raise ConversationBusyError(conversation_id)
@@ -273,10 +289,12 @@ class RedisConversationStore:
         if token < 0:
             return None
         # Busy and not yet saved: the conversation's first turn is in flight.
-        conv = self._load(conversation_id, tenant, data)
-        return _RedisHeld(self, conv, int(token), busy=token == 0)
+        loaded = _fields(data)
+        conv = self._load(conversation_id, tenant, loaded)
+        return _RedisHeld(self, conv, int(token), busy=token == 0, loaded=loaded, partial=True)
 
-    async def _save(self, conv: Conversation, token: int, *, unlock: bool) -> int:
+    async def _save(self, held: _RedisHeld, *, unlock: bool) -> int:
+        conv, token = held.conv, held._token
         member = f"{conv.tenant}:{conv.conversation_id}"
         lock, conv_key, marker = self._keys(member)
         p = self.prefix
@@ -286,8 +304,11 @@ class RedisConversationStore:
             r.decode_instance if r else "", r.retained_tokens if r else 0,
             repr(r.lease_deadline_unix_s) if r else 0, 1 if unlock else 0, self._lock_ttl_ms,
         ]
-        for k, v in _dump(conv).items():
-            args += [k, v]
+        names = (_FIELDS if not held.partial
+                 else [f for f in _FIELDS if f.encode() in held.loaded])
+        for name, value in _dump(conv, names).items():
+            if held.loaded.get(name) != value:
+                args += [name, value]
         return int(await self._call("save", self._save_script(
             keys=[lock, conv_key, marker, f"{p}retained:decode", f"{p}retained:tenant",
                   f"{p}leases"],
@@ -303,7 +324,7 @@ class RedisConversationStore:
     async def read(self, conversation_id: str, tenant: str) -> Conversation | None:
         _, conv_key, _ = self._keys(f"{tenant}:{conversation_id}")
         data = await self._call("read", self._r.hgetall(conv_key))
-        return self._load(conversation_id, tenant, data) if data else None
+        return self._load(conversation_id, tenant, _fields(data)) if data else None
 
     async def holders(self, decode_instance: str | None = None,
                       tenant: str | None = None) -> list[Conversation]:
@@ -320,12 +341,13 @@ class RedisConversationStore:
             return []
         pipe = self._r.pipeline(transaction=False)
         for m in keys:
-            pipe.hgetall(f"{p}c:{m}")
+            pipe.hmget(f"{p}c:{m}", ["meta", "ret"])
         rows = await self._call("holders", pipe.execute())
         out = []
-        for m, data in zip(keys, rows, strict=True):
+        for m, (meta, ret) in zip(keys, rows, strict=True):
             t, _, cid = m.partition(":")
-            if data:
+            if meta is not None:
+                data = {b"meta": meta, b"ret": ret or b""}
                 conv = self._load(cid, t, data)
                 if conv.retained is not None and (
                         decode_instance is None
@@ -366,9 +388,7 @@ class RedisConversationStore:
         await self._r.aclose()
 
     # ---------------------------------------------------------------- (de)serializing
-    def _load(self, conversation_id: str, tenant: str, data: Any) -> Conversation:
-        if isinstance(data, list):  # a script's HGETALL: flat field, value pairs
-            data = dict(zip(data[::2], data[1::2], strict=True))
+    def _load(self, conversation_id: str, tenant: str, data: dict[bytes, bytes]) -> Conversation:
         conv = Conversation(conversation_id, tenant,
                             turns=deque(maxlen=self._max_turn_records))
         if not data:
@@ -383,7 +403,8 @@ class RedisConversationStore:
         conv.last_active_unix_s = meta["last_active_unix_s"]
         conv.phase = Phase(meta["phase"]) if meta["phase"] else None
         conv.expected_next_prompt_tokens = meta["expected_next_prompt_tokens"]
-        conv.turns.extend(TurnRecord.model_validate(t) for t in json.loads(data[b"turns"]))
+        if b"turns" in data:
+            conv.turns.extend(TurnRecord.model_validate(t) for t in json.loads(data[b"turns"]))
         conv.last_token_ids = _unpack(data.get(b"seq", b""))
         ret = data.get(b"ret")
         if ret:
@@ -399,35 +420,48 @@ class RedisConversationStore:
         return conv
 
 
-def _dump(conv: Conversation) -> dict[str, bytes | str]:
-    meta = {
-        "decode": conv.decode_instance,
-        "gone": conv.gone_cause.value if conv.gone_cause else None,
-        "turn_count": conv.turn_count,
-        "fired_turns": conv.fired_turns,
-        "prompt_tokens_total": conv.prompt_tokens_total,
-        "reused_tokens_total": conv.reused_tokens_total,
-        "last_active_unix_s": conv.last_active_unix_s,
-        "phase": conv.phase.value if conv.phase else None,
-        "expected_next_prompt_tokens": conv.expected_next_prompt_tokens,
-    }
+_FIELDS = ["meta", "turns", "seq", "ret", "rtok"]
+
+
+def _fields(data: Any) -> dict[bytes, bytes]:
+    """A script's HGETALL (flat field, value pairs) or a client's, as {field: value}."""
+    if isinstance(data, list):
+        data = dict(zip(data[::2], data[1::2], strict=True))
+    return {(k.encode() if isinstance(k, str) else k): v for k, v in data.items()}
+
+
+def _dump(conv: Conversation, names: list[str]) -> dict[bytes, bytes]:
+    """The named fields of the conversation's hash, as bytes (compared with what was read)."""
+    out: dict[bytes, bytes] = {}
     r = conv.retained
-    out: dict[str, bytes | str] = {
-        "meta": json.dumps(meta, separators=(",", ":")),
-        "turns": json.dumps([t.model_dump(mode="json") for t in conv.turns],
-                            separators=(",", ":")),
-        "seq": _pack(conv.last_token_ids),
-        "ret": "",
-        "rtok": b"",
-    }
-    if r is not None:
-        out["ret"] = json.dumps({
-            "decode_instance": r.decode_instance, "params": r.params,
-            "retained_tokens": r.retained_tokens,
-            "lease_deadline_unix_s": r.lease_deadline_unix_s, "handle_key": r.handle_key,
-            "created_unix_s": r.created_unix_s,
-        }, separators=(",", ":"))
-        out["rtok"] = _pack(r.token_ids)
+    for name in names:
+        if name == "meta":
+            value: bytes = json.dumps({
+                "decode": conv.decode_instance,
+                "gone": conv.gone_cause.value if conv.gone_cause else None,
+                "turn_count": conv.turn_count,
+                "fired_turns": conv.fired_turns,
+                "prompt_tokens_total": conv.prompt_tokens_total,
+                "reused_tokens_total": conv.reused_tokens_total,
+                "last_active_unix_s": conv.last_active_unix_s,
+                "phase": conv.phase.value if conv.phase else None,
+                "expected_next_prompt_tokens": conv.expected_next_prompt_tokens,
+            }, separators=(",", ":")).encode()
+        elif name == "turns":
+            value = json.dumps([t.model_dump(mode="json") for t in conv.turns],
+                               separators=(",", ":")).encode()
+        elif name == "seq":
+            value = _pack(conv.last_token_ids)
+        elif name == "ret":
+            value = b"" if r is None else json.dumps({
+                "decode_instance": r.decode_instance, "params": r.params,
+                "retained_tokens": r.retained_tokens,
+                "lease_deadline_unix_s": r.lease_deadline_unix_s, "handle_key": r.handle_key,
+                "created_unix_s": r.created_unix_s,
+            }, separators=(",", ":")).encode()
+        else:  # rtok
+            value = b"" if r is None else _pack(r.token_ids)
+        out[name.encode()] = value
     return out
 
 
