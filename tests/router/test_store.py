@@ -243,3 +243,14 @@ async def test_an_expired_conversation_leaves_the_reaper_list(redis_server: Redi
         assert await store.lapsed(200.0) == []
     finally:
         await store.aclose()
+
+
+def test_store_setting_takes_memory_or_a_redis_url() -> None:
+    from pydantic import ValidationError
+
+    from kvtether.router import RouterSettings
+
+    for ok in ("memory", "redis://cache:6379/2", "rediss://cache:6380/0", "unix:///run/r.sock"):
+        assert RouterSettings(store=ok).store == ok
+    with pytest.raises(ValidationError, match="store must be 'memory' or a Redis/Valkey URL"):
+        RouterSettings(store="http://cache:6379")
