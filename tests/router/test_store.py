@@ -254,3 +254,17 @@ def test_store_setting_takes_memory_or_a_redis_url() -> None:
         assert RouterSettings(store=ok).store == ok
     with pytest.raises(ValidationError, match="store must be 'memory' or a Redis/Valkey URL"):
         RouterSettings(store="http://cache:6379")
+
+
+async def test_letting_go_in_the_background_never_leaves_a_lock(
+    store: ConversationStore,
+) -> None:
+    turn = await store.lock("bg", "", wait_s=1)
+    deleting = await store.try_lock("bg", "", release_after_turn=True)
+    assert deleting is not None and deleting.busy
+    turn.conv.retained = retained()  # e.g. a failed turn that put its handle back
+    turn.commit_soon()
+    nxt = await store.lock("bg", "", wait_s=30)
+    assert await nxt.commit() is True  # the release is still asked for: free, then commit
+    nxt.conv.retained = None
+    assert await nxt.commit() is False

@@ -175,7 +175,9 @@ class HeldConversation(Protocol):
         ...
 
     def commit_soon(self) -> None:
-        """:meth:`commit` from synchronous code (a stream's end), in the background."""
+        """:meth:`commit` from synchronous code (a stream's end, a failed turn), at once or
+        in the background; it always lets go (a release asked for stays pending for the
+        next holder)."""
         ...
 
 
@@ -252,7 +254,8 @@ class _MemoryHeld:
 
     def commit_soon(self) -> None:
         if self._locked:
-            self.conv.release_after_turn = None
+            if self.conv.retained is None:
+                self.conv.release_after_turn = None
             self._locked = False
             self.conv.lock.release()
 

@@ -77,8 +77,9 @@ redis.call('SET', KEYS[1], token, 'PX', ARGV[1])
 return {token, 0, load()}
 """
 
-# -1: fenced out; 1: saved (and unlocked if asked); 2: saved, a release was asked for while
-# the conversation retains KV: still locked.
+# ARGV[9]: '0' save only, '1' save and unlock, '2' save and unlock even if a release is pending
+# (it stays pending for the next holder). -1: fenced out; 1: saved (and unlocked if asked);
+# 2: saved, a release was asked for while the conversation retains KV: still locked.
 _SAVE = """
 local cur = redis.call('GET', KEYS[1])
 local token = ARGV[1]
@@ -106,13 +107,14 @@ local fields = {'fence', token, 'rd', rd, 'rt', ARGV[7]}
 for i = 11, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[2], unpack(fields))
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
-if ARGV[9] ~= '1' then return 1 end
+if ARGV[9] == '0' then return 1 end
 if redis.call('EXISTS', KEYS[3]) == 1 then
-  if rd ~= '' then
+  if rd == '' then
+    redis.call('DEL', KEYS[3])
+  elseif ARGV[9] == '1' then
     redis.call('SET', KEYS[1], token, 'PX', ARGV[10])
     return 2
   end
-  redis.call('DEL', KEYS[3])
 end
 if cur then redis.call('DEL', KEYS[1]) end
 return 1
@@ -169,11 +171,11 @@ class _RedisHeld:
             self._watchdog.cancel()
             self._watchdog = None
 
-    async def commit(self) -> bool:
+    async def commit(self, *, pending_release_ok: bool = False) -> bool:
         if self._done:
             return False
         try:
-            code = await self._store._save(self, unlock=True)
+            code = await self._store._save(self, unlock="2" if pending_release_ok else "1")
         except BaseException:
             self._finish()
             raise
@@ -196,7 +198,8 @@ class _RedisHeld:
 
     async def _commit_logged(self) -> None:
         try:
-            await self.commit()
+            # Nobody is here to free KV a release asked for: never leave the lock held.
+            await self.commit(pending_release_ok=True)
         except Exception as exc:  # noqa: BLE001 - nothing waits for this task
             logger.warning("saving conversation %s failed: %r", self.conv.conversation_id, exc)
 
@@ -293,7 +296,7 @@ class RedisConversationStore:
         conv = self._load(conversation_id, tenant, loaded)
         return _RedisHeld(self, conv, int(token), busy=token == 0, loaded=loaded, partial=True)
 
-    async def _save(self, held: _RedisHeld, *, unlock: bool) -> int:
+    async def _save(self, held: _RedisHeld, *, unlock: str) -> int:
         conv, token = held.conv, held._token
         member = f"{conv.tenant}:{conv.conversation_id}"
         lock, conv_key, marker = self._keys(member)
@@ -302,7 +305,7 @@ class RedisConversationStore:
         args: list[Any] = [
             token, self.conversation_ttl_ms, member, conv.tenant, f"{p}holding:",
             r.decode_instance if r else "", r.retained_tokens if r else 0,
-            repr(r.lease_deadline_unix_s) if r else 0, 1 if unlock else 0, self._lock_ttl_ms,
+            repr(r.lease_deadline_unix_s) if r else 0, unlock, self._lock_ttl_ms,
         ]
         names = (_FIELDS if not held.partial
                  else [f for f in _FIELDS if f.encode() in held.loaded])
