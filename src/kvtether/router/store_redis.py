@@ -309,14 +309,18 @@ class RedisConversationStore:
         ]
         names = (_FIELDS if not held.partial
                  else [f for f in _FIELDS if f.encode() in held.loaded])
-        for name, value in _dump(conv, names).items():
-            if held.loaded.get(name) != value:
-                args += [name, value]
-        return int(await self._call("save", self._save_script(
+        changed = {name: value for name, value in _dump(conv, names).items()
+                   if held.loaded.get(name) != value}
+        for name, value in changed.items():
+            args += [name, value]
+        code = int(await self._call("save", self._save_script(
             keys=[lock, conv_key, marker, f"{p}retained:decode", f"{p}retained:tenant",
                   f"{p}leases"],
             args=args,
         )))
+        if code != -1:
+            held.loaded.update(changed)  # what the store now holds
+        return code
 
     async def _extend_lock(self, conv: Conversation, token: int) -> bool:
         lock, _, _ = self._keys(f"{conv.tenant}:{conv.conversation_id}")
