@@ -33,14 +33,6 @@ from kvtether.stack.settings import StackSettings
 # supports three at a time). Fields these manifests use exist there and in every later one.
 K8S_VERSION = "1.35"
 
-# Router settings the manifests use that RouterSettings does not declare yet: the conversation
-# store's (--store / KVTETHER_ROUTER_STORE, ...), which come with issue 13's store branch.
-# Delete this set once that is merged; the checks below then cover them like every other one.
-PENDING_ROUTER_SETTINGS = frozenset({
-    "store", "store_key_prefix", "store_conversation_ttl_s", "store_lock_ttl_s",
-    "store_lock_wait_s", "store_timeout_s",
-})
-
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
 ROUTER_PREFIX = RouterSettings.model_config["env_prefix"]
@@ -147,7 +139,7 @@ def test_kustomize_renders_every_listed_object(kustomization: Path) -> None:
 
 
 def test_router_flags_and_env_are_router_settings() -> None:
-    fields = set(RouterSettings.model_fields) | PENDING_ROUTER_SETTINGS
+    fields = set(RouterSettings.model_fields)
     for c in _router_containers():
         argv = c["command"][2:] + c.get("args", [])
         flags = [a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")]
