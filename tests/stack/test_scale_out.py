@@ -49,7 +49,7 @@ def test_several_routers_without_a_store_are_refused() -> None:
 
 @pytest.mark.parametrize("store", ["localhost", "http://h:6379", "redis:/x", ""])
 def test_a_store_must_be_local_or_a_redis_url(store: str) -> None:
-    with pytest.raises(ValidationError, match="neither 'local' nor a Redis/Valkey URL"):
+    with pytest.raises(ValidationError, match="neither 'local', 'memory' nor a Redis/Valkey URL"):
         StackSettings(store=store)
 
 
@@ -57,6 +57,12 @@ def test_a_store_must_be_local_or_a_redis_url(store: str) -> None:
                                    "unix:///run/redis.sock"])
 def test_accepted_stores(store: str) -> None:
     assert StackSettings(routers=3, store=store).store == store
+
+
+def test_memory_is_the_routers_own_store() -> None:
+    assert StackSettings(store="memory").store is None
+    with pytest.raises(ValidationError, match="--routers 2 needs a shared conversation store"):
+        StackSettings(routers=2, store="memory")
 
 
 def test_one_router_keeps_the_public_port_several_sit_behind_the_front() -> None:

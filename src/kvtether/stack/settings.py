@@ -38,6 +38,7 @@ __all__ = [
 ConnectorKind = Literal["nixl", "kvtether"]
 ENV_PREFIX = "KVTETHER_"
 LOCAL_STORE = "local"
+MEMORY_STORE = "memory"  # the router's default: conversations in the router process
 # URLs the `redis` client opens (a Valkey server speaks the same protocol).
 STORE_URL_SCHEMES = ("redis", "rediss", "unix")
 
@@ -111,7 +112,7 @@ class StackSettings(RetentionSettings, AccessSettings, StackSettingsBase):
         default=None,
         description="conversation store the routers share: 'local' (start redis-server or "
         "valkey-server on loopback for this stack, no persistence) or a redis://host:port/db "
-        "URL (default: none, the router keeps conversations in memory)",
+        "URL; 'memory' or unset: the router keeps them itself (one router only)",
     )
     base_port: int = Field(default=8100, ge=1, le=65535, description="vLLM instance i: base+i")
     side_channel_base_port: int = Field(
@@ -227,12 +228,14 @@ class StackSettings(RetentionSettings, AccessSettings, StackSettingsBase):
         return self
 
     def _check_scale_out(self) -> None:
+        if self.store == MEMORY_STORE:
+            self.__dict__["store"] = None  # the router's own default: nothing to forward
         if self.store is not None and self.store != LOCAL_STORE:
             scheme = self.store.partition("://")[0].lower()
             if "://" not in self.store or scheme not in STORE_URL_SCHEMES:
                 raise ConfigError(
-                    f"--store {self.store!r} is neither 'local' nor a Redis/Valkey URL; pass "
-                    "--store local or --store redis://HOST:PORT/DB"
+                    f"--store {self.store!r} is neither 'local', 'memory' nor a Redis/Valkey "
+                    "URL; pass --store local or --store redis://HOST:PORT/DB"
                 )
         if self.routers > 1 and self.store is None:
             raise ConfigError(
