@@ -95,9 +95,14 @@ def _front(upstreams: list[str], **settings: Any) -> Iterator[httpx.Client]:
         yield client
 
 
+_HALF_A_STREAM = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                  b"transfer-encoding: chunked\r\n\r\n"
+                  b"10\r\ndata: {\"n\": 1}\n\n\r\n")
+
+
 @contextlib.contextmanager
-def _silent_server() -> Iterator[str]:
-    """Accepts a connection, reads the request, closes without answering."""
+def _silent_server(reply: bytes = b"") -> Iterator[str]:
+    """Accepts a connection, reads the request, sends ``reply`` (default: nothing), closes."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()
@@ -112,6 +117,7 @@ def _silent_server() -> Iterator[str]:
                 continue
             with conn:
                 conn.recv(65536)
+                conn.sendall(reply)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -207,6 +213,17 @@ def test_a_replica_that_fails_after_the_request_was_sent_is_not_retried(replicas
     assert r.json()["error"]["code"] == "upstream_unavailable"
     assert "router-0" in r.json()["error"]["message"]
     assert fakes[0].requests == []  # a turn is not idempotent: it never runs twice
+
+
+def test_a_stream_broken_mid_answer_ends_with_an_error_event() -> None:
+    with _silent_server(_HALF_A_STREAM) as half, _front([half]) as front:
+        with front.stream("POST", "/v1/chat/completions", json={"stream": True}) as r:
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line]
+    assert lines[0] == 'data: {"n": 1}'
+    error = json.loads(lines[1].removeprefix("data: "))["error"]
+    assert error["code"] == "upstream_unavailable" and "router-0" in error["message"]
+    assert "data: [DONE]" not in lines
 
 
 def test_oversized_body_is_refused_413(replicas) -> None:  # noqa: ANN001

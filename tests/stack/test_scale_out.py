@@ -181,3 +181,38 @@ def test_routers_front_and_store_start_answer_and_stop(
     assert {r.role for r in records} == {"prefill", "decode", "store", "router", "front"}
     assert all_dead([*pids_from(pid_file), store_pid, front_pid])
     assert load_state(settings.state_dir) is None
+
+
+@needs_redis
+@pytest.mark.usefixtures("no_leaks")
+def test_a_killed_front_replica_or_store_is_restarted(fake_settings: StackSettings) -> None:
+    import os
+    import signal
+    import threading
+    import time
+
+    settings = StackSettings.model_validate({
+        **fake_settings.model_dump(exclude_unset=True),
+        "routers": 2, "store": "local", "port": free_port_block(4), "restart_backoff_s": 0.1})
+    said: list[str] = []
+    stop = threading.Event()
+    with Stack(settings, commands=FakeCommands()) as stack:
+        thread = threading.Thread(target=stack.supervise, kwargs={"stop": stop,
+                                                                  "say": said.append})
+        thread.start()
+        try:
+            before = {r.name: r.pid for r in load_state(settings.state_dir).processes}
+            for name in ("front", "router-1", "store"):
+                os.kill(before[name], signal.SIGKILL)
+                deadline = time.monotonic() + 30
+                while f"{name} is back" not in " ".join(said):
+                    assert time.monotonic() < deadline, said
+                    time.sleep(0.05)
+            after = {r.name: r.pid for r in load_state(settings.state_dir).processes}
+            assert all(after[n] != before[n] for n in ("front", "router-1", "store"))
+            assert all(r.alive and r.healthy for r in stack.status())
+            health = httpx.get(f"{stack.router_url}/health", timeout=10, trust_env=False)
+            assert health.json()["replicas"] == {"router-0": True, "router-1": True}
+        finally:
+            stop.set()
+            thread.join(30)

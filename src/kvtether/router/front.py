@@ -235,7 +235,8 @@ def _relay(upstream: httpx.Response, name: str) -> StreamingResponse:
             # As the router does when a stream breaks: an error event, and no [DONE].
             error = p.error_body(f"router replica {name} failed mid-stream; retry the turn",
                                  "upstream_error", code="upstream_unavailable")
-            yield f"data: {json.dumps(error)}\n\n".encode()
+            # The blank line first ends an event the replica left half sent.
+            yield f"\n\ndata: {json.dumps(error)}\n\n".encode()
         finally:
             await upstream.aclose()
 
