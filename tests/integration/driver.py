@@ -127,22 +127,60 @@ def summary(results: list[TurnResult]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Drive a running stack: ``python -m tests.integration.driver ROUTER_URL REFERENCE_URL``."""
+    """Drive a running stack (``ROUTER_URL REFERENCE_URL``) or, with ``--start``, a cpu-tiny
+    stack of ``--prefill`` x ``--decode`` instances and a reference it starts and stops itself:
+
+    ``python -m tests.integration.driver --start --prefill 2 --decode 2``
+    """
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m tests.integration.driver")
-    parser.add_argument("router_url")
-    parser.add_argument("reference_url", help="a colocated vLLM (kvtether.stack."
+    parser.add_argument("router_url", nargs="?")
+    parser.add_argument("reference_url", nargs="?", help="a colocated vLLM (kvtether.stack."
                         "start_reference_vllm) that answers with the same model")
+    parser.add_argument("--start", action="store_true",
+                        help="start a cpu-tiny stack and a reference (ports from "
+                        "KVTETHER_TEST_PORT_BASE, default 18000, + 500)")
+    parser.add_argument("--prefill", type=int, default=2)
+    parser.add_argument("--decode", type=int, default=2)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     args = parser.parse_args(argv)
-    results = run_conversations(args.router_url, args.reference_url, args.model,
-                                conversations=args.conversations, turns=args.turns,
-                                prefix="bench")
-    print(summary(results))
-    return 0 if all(r.status == 200 and r.identical for r in results) else 1
+    if not args.start and not (args.router_url and args.reference_url):
+        parser.error("give ROUTER_URL and REFERENCE_URL, or --start")
+
+    def drive(router_url: str, reference_url: str, model: str) -> int:
+        results = run_conversations(router_url, reference_url, model,
+                                    conversations=args.conversations, turns=args.turns,
+                                    prefix="bench")
+        print(summary(results))
+        return 0 if all(r.status == 200 and r.identical for r in results) else 1
+
+    if not args.start:
+        return drive(args.router_url, args.reference_url, args.model)
+    return _with_stack(args.prefill, args.decode, drive)
+
+
+def _with_stack(prefill: int, decode: int, drive) -> int:  # noqa: ANN001
+    import os
+    import tempfile
+
+    from kvtether.stack import Stack, StackSettings, start_reference_vllm
+
+    base = int(os.environ.get("KVTETHER_TEST_PORT_BASE", "18000")) + 500
+    with tempfile.TemporaryDirectory(prefix="kvtether-driver-") as tmp:
+        settings = StackSettings(
+            profile="cpu-tiny", prefill=prefill, decode=decode, port=base, base_port=base + 10,
+            side_channel_base_port=base - 1700, control_base_port=base + 40, state_dir=tmp,
+            health_timeout_s=900)
+        t0 = time.perf_counter()
+        with start_reference_vllm(settings, port=base + 1) as reference, \
+                Stack(settings, die_with_parent=True) as stack:
+            report = stack.warm_up_report
+            print(f"{prefill}P+{decode}D and a reference healthy and warm after "
+                  f"{time.perf_counter() - t0:.0f} s (warm-up: {report.outcomes if report else '-'})")
+            return int(drive(stack.router_url, reference, stack.served_model_name))
 
 
 if __name__ == "__main__":
