@@ -134,8 +134,9 @@ class MissCause(str, enum.Enum):
     (``reusable_tokens``). An eligible turn *fires* when the tokens it recomputed of those,
     ``reusable_tokens - reused_tokens``, are fewer than ``max(kv_recompute_threshold_tokens,
     kv_block_size_tokens)`` (recomputing less than that is by design); otherwise it misses,
-    and the cause says how the KV was lost. The first four causes are the turns that are not
-    eligible (:data:`NOT_ELIGIBLE_CAUSES`).
+    and the cause says how the KV was lost. The first four causes, and ``store_unavailable``
+    (the router could not know the conversation), are the turns that are not eligible
+    (:data:`NOT_ELIGIBLE_CAUSES`).
     """
 
     FIRST_TURN = "first_turn"  # no earlier turn of the conversation finished
@@ -148,12 +149,14 @@ class MissCause(str, enum.Enum):
     DECODE_UNAVAILABLE = "decode_unavailable"
     TRANSFER_FAILED = "transfer_failed"  # a handle went to prefill, and too little was read
     NOT_RETAINED = "not_retained"  # previous turn left no handle (e.g. aborted, or error)
+    # The router's shared conversation store did not answer: the turn ran as plain P/D.
+    STORE_UNAVAILABLE = "store_unavailable"
 
 
 # Misses of turns that had nothing (or too little) to reuse: they are not eligible.
 NOT_ELIGIBLE_CAUSES = frozenset({
     MissCause.FIRST_TURN, MissCause.NO_CONVERSATION_ID, MissCause.BELOW_THRESHOLD,
-    MissCause.PREFIX_BREAK,
+    MissCause.PREFIX_BREAK, MissCause.STORE_UNAVAILABLE,
 })
 
 

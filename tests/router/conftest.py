@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -216,6 +218,10 @@ async def make_router(
         decode.append(cluster.add(d, *hostports))
     settings = {"kv_block_size_tokens": BLOCK_SIZE, "kv_recompute_threshold_tokens": 16,
                 **settings}
+    if os.environ.get("KVTETHER_TEST_ROUTER_STORE") and "store" not in settings:
+        # The whole router suite against a shared store: KVTETHER_TEST_ROUTER_STORE=redis://...
+        settings["store"] = os.environ["KVTETHER_TEST_ROUTER_STORE"]
+        settings.setdefault("store_key_prefix", f"t{uuid.uuid4().hex[:8]}:")
     rs = RouterSettings(
         prefill_urls=[f.url for f in prefill],
         decode_urls=[d.url for d in decode],

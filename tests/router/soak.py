@@ -187,13 +187,14 @@ async def soak_table(
                 if conv is not None and conv.retained is not None:
                     await retention.renew(conv, lease_ttl_s)
             else:  # end of the session
-                conv = store.get(s["id"])
                 if s["abandon"]:
                     abandoned += 1  # the client crashed: its lease lapses by itself
                 else:
                     released += 1
-                    if conv is not None:
-                        await retention.release_by_client(conv)
+                    held = await store.try_lock(s["id"], "", release_after_turn=True)
+                    if held is not None:
+                        await retention.release_by_client(held)
+                        await held.commit()
         # Let every abandoned lease lapse, as a crashed client's would.
         clock.advance(2 * lease_ttl_s)
         leases.lapse()

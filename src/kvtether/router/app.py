@@ -28,6 +28,7 @@ from kvtether.router.conversations import (
     ConversationStore,
     ConversationTableFullError,
     InMemoryConversationStore,
+    StoreError,
 )
 from kvtether.router.leases import LeaseClient
 from kvtether.router.metrics import RouterMetrics
@@ -66,10 +67,8 @@ def create_app(
             background.add(task)
             task.add_done_callback(background.discard)
 
-    store = store or InMemoryConversationStore(
-        settings.max_conversations, release_dropped, clock.now_unix_s,
-        max_turn_records=settings.max_turn_records,
-    )
+    if store is None:
+        store = _make_store(settings, release_dropped, clock, metrics)
     secret = settings.control_secret.get_secret_value() if settings.control_secret else None
     deps = RouterDeps(settings, pool, store, LeaseClient(control_secret=secret), metrics, clock)
     retention = Retention(deps)
@@ -129,28 +128,48 @@ def create_app(
     async def health(request: Request) -> Response:
         status = await pool.check_health()
         ok = any(status[b.name] for b in pool.prefill) and any(status[b.name] for b in pool.decode)
+        # A store that is down does not make the router unhealthy: turns are still answered
+        # (as plain P/D), and a load balancer taking every replica out would answer none.
+        store_ok = await store.check()
         return JSONResponse(
             {"status": "ok" if ok else "degraded", "backends": status,
-             "conversations": len(store), "protocol_version": p.PROTOCOL_VERSION},
+             "conversations": store.count(),
+             "store": {"kind": store.kind, "ok": store_ok},
+             "protocol_version": p.PROTOCOL_VERSION},
             status_code=200 if ok else 503,
         )
 
     async def metrics_endpoint(request: Request) -> Response:
-        metrics.conversations.set(len(store))
+        count = store.count()
+        if count is not None:
+            metrics.conversations.set(count)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def housekeeping() -> None:
-        """Expire lapsed leases every second; probe instance health every few seconds."""
+        """Expire lapsed leases and take the shared retained-token counts every second; probe
+        instance health every few seconds."""
         tick = 0
+        store_down = False
         while True:
             await asyncio.sleep(1.0)
             tick += 1
             try:
                 await retention.reap_expired()
-                if tick % 5 == 0:
-                    await pool.check_health()
+                await retention.refresh_shared_counts()
+                if store_down:
+                    logger.warning("conversation store is back")
+                store_down = False
+            except StoreError as exc:
+                if not store_down:
+                    logger.warning("conversation store unavailable: %s", exc)
+                store_down = True
             except Exception:  # housekeeping must never die
                 logger.exception("router housekeeping failed")
+            if tick % 5 == 0:
+                try:
+                    await pool.check_health()
+                except Exception:
+                    logger.exception("router housekeeping failed")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -162,6 +181,7 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             await pool.aclose()
+            await store.aclose()
 
     routes = [
         Route("/v1/chat/completions", completions, methods=["POST"]),
@@ -193,6 +213,23 @@ def create_app(
     app.state.store = store
     app.state.metrics = metrics
     return app
+
+
+def _make_store(settings: RouterSettings, on_drop, clock: Clock,  # noqa: ANN001
+                metrics: RouterMetrics) -> ConversationStore:
+    if settings.store == "memory":
+        return InMemoryConversationStore(
+            settings.max_conversations, on_drop, clock.now_unix_s,
+            max_turn_records=settings.max_turn_records,
+        )
+    from kvtether.router.store_redis import RedisConversationStore
+
+    return RedisConversationStore(
+        settings.store, key_prefix=settings.store_key_prefix,
+        conversation_ttl_s=settings.store_conversation_ttl_s,
+        lock_ttl_s=settings.store_lock_ttl_s, timeout_s=settings.store_timeout_s,
+        max_turn_records=settings.max_turn_records, metrics=metrics,
+    )
 
 
 async def _json_body(request: Request) -> dict[str, Any]:

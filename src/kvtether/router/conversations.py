@@ -1,8 +1,10 @@
 """The conversation table: conversation id → decode instance, retained-KV handle, lease, turns.
 
-State sits behind :class:`ConversationStore` so that a shared (e.g. Redis-backed) table can
-replace :class:`InMemoryConversationStore` when several router replicas serve one deployment.
-Turns of one conversation are serialised by a per-conversation lock held by the router.
+State sits behind :class:`ConversationStore`: :class:`InMemoryConversationStore` for one router,
+:class:`~kvtether.router.store_redis.RedisConversationStore` when several router replicas share
+one table. Every change to a conversation happens while :class:`HeldConversation` holds it: a
+turn waits for the conversation's lock (bounded), a heartbeat, release or reap takes it without
+waiting and sees ``busy`` when a turn (on any replica) has it.
 Conversations are keyed by (tenant, conversation id): a tenant's id never finds another
 tenant's conversation (the anonymous tenant, ``""``, is the only one without API keys).
 """
@@ -22,9 +24,14 @@ from kvtether.protocol import LeaseInfo, MissCause, Phase, SessionStatus, TurnRe
 __all__ = [
     "RetainedKV",
     "Conversation",
+    "ConversationBusyError",
     "ConversationStore",
     "ConversationTableFullError",
+    "HeldConversation",
     "InMemoryConversationStore",
+    "StoreError",
+    "StoreFencedError",
+    "StoreUnavailableError",
 ]
 
 # Turn records kept per conversation when the store is not told otherwise.
@@ -33,6 +40,22 @@ DEFAULT_MAX_TURN_RECORDS = 64
 
 class ConversationTableFullError(Exception):
     """Every conversation in a full table has a turn in flight: none can be dropped."""
+
+
+class StoreError(Exception):
+    """The conversation store could not do what was asked."""
+
+
+class StoreUnavailableError(StoreError):
+    """The shared store did not answer (refused, timed out): the router degrades to plain P/D."""
+
+
+class StoreFencedError(StoreError):
+    """A save was refused: this holder's lock expired and a newer holder has the conversation."""
+
+
+class ConversationBusyError(StoreError):
+    """Another turn of the conversation held it for longer than the router waits."""
 
 
 @dataclass
@@ -135,18 +158,106 @@ class Conversation:
         )
 
 
+class HeldConversation(Protocol):
+    """A conversation taken from the store; :meth:`commit` saves it and lets it go.
+
+    ``busy``: a turn holds the conversation (here or on another replica). ``writable``: changes
+    to ``conv`` count (a shared store's view of a busy conversation is a read-only snapshot).
+    """
+
+    conv: Conversation
+    busy: bool
+    writable: bool
+
+    async def commit(self) -> bool:
+        """Save and unlock. True: a release was asked for meanwhile and ``conv`` still retains
+        KV; the conversation stays held: free it, then commit again. Idempotent once done."""
+        ...
+
+    def commit_soon(self) -> None:
+        """:meth:`commit` from synchronous code (a stream's end, a failed turn), at once or
+        in the background; it always lets go (a release asked for stays pending for the
+        next holder)."""
+        ...
+
+
 class ConversationStore(Protocol):
     """What the router needs from a conversation table."""
 
-    def get(self, conversation_id: str, tenant: str = "") -> Conversation | None: ...
+    kind: str  # "memory" | "redis"
 
-    def get_or_create(self, conversation_id: str, tenant: str = "") -> Conversation: ...
+    async def lock(
+        self, conversation_id: str, tenant: str, *, wait_s: float
+    ) -> HeldConversation:
+        """Hold the conversation for a turn (creating it), waiting up to ``wait_s`` for a turn
+        in flight; else :class:`ConversationBusyError`."""
+        ...
 
-    def delete(self, conversation_id: str, tenant: str = "") -> Conversation | None: ...
+    async def try_lock(
+        self, conversation_id: str, tenant: str, *, release_after_turn: bool = False
+    ) -> HeldConversation | None:
+        """Hold it without waiting (``busy`` if a turn has it); None if it does not exist.
+        ``release_after_turn``: if busy, the turn in flight frees its KV when it settles."""
+        ...
 
-    def values(self) -> list[Conversation]: ...
+    async def read(self, conversation_id: str, tenant: str) -> Conversation | None:
+        """A lock-free view (GET of the session)."""
+        ...
 
-    def __len__(self) -> int: ...
+    async def holders(self, decode_instance: str | None = None,
+                      tenant: str | None = None) -> list[Conversation]:
+        """Views of the conversations retaining KV (on one instance, or of one tenant)."""
+        ...
+
+    async def lapsed(self, now_unix_s: float) -> list[tuple[str, str]]:
+        """(tenant, conversation id) of retained KV whose lease deadline has passed."""
+        ...
+
+    async def shared_counts(self) -> tuple[dict[str, int], dict[str, int]] | None:
+        """Retained tokens per decode instance and per tenant, as every replica sees them;
+        None for a store private to this router (its own counts are exact)."""
+        ...
+
+    async def check(self) -> bool:
+        """Whether the store answers."""
+        ...
+
+    def count(self) -> int | None:
+        """Conversations in the table, when known cheaply."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class _MemoryHeld:
+    """A live conversation of :class:`InMemoryConversationStore` (changes are in place)."""
+
+    __slots__ = ("conv", "busy", "writable", "_locked")
+
+    def __init__(self, conv: Conversation, *, locked: bool, busy: bool) -> None:
+        self.conv = conv
+        self.busy = busy
+        self.writable = True
+        self._locked = locked
+
+    async def commit(self) -> bool:
+        conv = self.conv
+        if not self._locked:
+            return False
+        if conv.release_after_turn is not None:
+            conv.release_after_turn = None
+            if conv.retained is not None:
+                return True
+        self._locked = False
+        conv.lock.release()
+        return False
+
+    def commit_soon(self) -> None:
+        if self._locked:
+            if self.conv.retained is None:
+                self.conv.release_after_turn = None
+            self._locked = False
+            self.conv.lock.release()
 
 
 class InMemoryConversationStore:
@@ -215,3 +326,57 @@ class InMemoryConversationStore:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    # ------------------------------------------------ the ConversationStore interface
+    kind = "memory"
+
+    async def lock(
+        self, conversation_id: str, tenant: str, *, wait_s: float
+    ) -> HeldConversation:
+        conv = self.get_or_create(conversation_id, tenant)
+        if conv.lock.locked():
+            try:
+                await asyncio.wait_for(conv.lock.acquire(), wait_s)
+            except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+                raise ConversationBusyError(conversation_id) from None
+        else:
+            await conv.lock.acquire()
+        return _MemoryHeld(conv, locked=True, busy=False)
+
+    async def try_lock(
+        self, conversation_id: str, tenant: str, *, release_after_turn: bool = False
+    ) -> HeldConversation | None:
+        # Not locked: one event loop, and what a heartbeat or release changes is read by
+        # the turn in flight after its next await (the turn runner is written for that).
+        conv = self.get(conversation_id, tenant)
+        if conv is None:
+            return None
+        busy = conv.lock.locked()
+        if busy and release_after_turn:
+            conv.release_after_turn = conv.next_turn
+        return _MemoryHeld(conv, locked=False, busy=busy)
+
+    async def read(self, conversation_id: str, tenant: str) -> Conversation | None:
+        return self.get(conversation_id, tenant)
+
+    async def holders(self, decode_instance: str | None = None,
+                      tenant: str | None = None) -> list[Conversation]:
+        return [c for c in self._items.values() if c.retained is not None
+                and (decode_instance is None or c.retained.decode_instance == decode_instance)
+                and (tenant is None or c.tenant == tenant)]
+
+    async def lapsed(self, now_unix_s: float) -> list[tuple[str, str]]:
+        return [c.key for c in self._items.values()
+                if c.retained is not None and c.retained.lease_deadline_unix_s <= now_unix_s]
+
+    async def shared_counts(self) -> tuple[dict[str, int], dict[str, int]] | None:
+        return None
+
+    async def check(self) -> bool:
+        return True
+
+    def count(self) -> int | None:
+        return len(self._items)
+
+    async def aclose(self) -> None:
+        return None

@@ -71,5 +71,21 @@ class RouterMetrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5), registry=r,
         )
 
+        self.store_ops = Counter(
+            "kvtether_store_ops", "Round trips to the shared conversation store, by operation",
+            ["op"], registry=r,
+        )
+        self.store_call_s = Histogram(
+            "kvtether_store_call_seconds", "Shared conversation store round-trip latency",
+            ["op"], buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1,
+                             0.5, 1.0),
+            registry=r,
+        )
+        self.store_unavailable = Counter(
+            "kvtether_store_unavailable",
+            "Requests the shared conversation store did not answer (turns ran as plain P/D)",
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

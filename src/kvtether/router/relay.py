@@ -19,7 +19,7 @@ from kvtether import protocol as p
 from kvtether.router._clock import Clock
 from kvtether.router._errors import RouterHTTPError
 from kvtether.router.backends import Backend
-from kvtether.router.conversations import Conversation
+from kvtether.router.conversations import Conversation, HeldConversation
 from kvtether.router.legs import failure_kind, json_or_502, note_failure, prompt_ids
 from kvtether.router.metrics import RouterMetrics
 
@@ -35,6 +35,7 @@ class TurnContext:
     """One turn once its decode leg is open: what relaying and settling it need."""
 
     conv: Conversation | None
+    held: HeldConversation | None  # the store's hold on ``conv``, let go when the turn ends
     decode: Backend
     upstream: httpx.Response  # D's answer, not yet read
     record: p.TurnRecord  # completed as the answer is relayed
@@ -78,14 +79,14 @@ def relay_stream(
     clock: Clock, metrics: RouterMetrics,
     release_unsettled: Callable[[], Awaitable[Any]] | None = None,
 ) -> Response:
-    """Pass D's SSE stream through; the conversation's lock is released when it ends.
+    """Pass D's SSE stream through; the conversation is saved and let go when it ends.
 
     vLLM does not put the handle in a stream, so it is fetched from D's connector
     (``fetch_handle``) before ``[DONE]`` goes out. A stream that ends before that (the client
     went away, D or the network failed) calls ``release_unsettled``: D may have finished the
     turn and hold its KV under a lease nobody will ask for.
     """
-    conv, record, decode, upstream = ctx.conv, ctx.record, ctx.decode, ctx.upstream
+    conv, held, record, decode, upstream = ctx.conv, ctx.held, ctx.record, ctx.decode, ctx.upstream
     finished = settled = False
 
     def done() -> None:
@@ -100,10 +101,10 @@ def relay_stream(
             task = asyncio.get_running_loop().create_task(release_unsettled())
             _background.add(task)
             task.add_done_callback(_background.discard)
-        if conv is not None:
+        if conv is not None and held is not None:
             if not any(t is record for t in conv.turns):
                 conv.add_turn(record)
-            conv.lock.release()
+            held.commit_soon()  # saved already, unless the stream ended before settling
 
     async def relay() -> AsyncIterator[bytes]:
         nonlocal settled

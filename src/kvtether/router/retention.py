@@ -15,7 +15,12 @@ from kvtether import protocol as p
 from kvtether.router._deps import RouterDeps
 from kvtether.router.backends import Backend
 from kvtether.router.budget import pick_evictions
-from kvtether.router.conversations import Conversation, RetainedKV
+from kvtether.router.conversations import (
+    Conversation,
+    HeldConversation,
+    RetainedKV,
+    StoreError,
+)
 from kvtether.router.leases import RenewStatus
 
 logger = logging.getLogger(__name__)
@@ -93,6 +98,18 @@ class Retention:
     def tenant_retained_tokens(self, tenant: str) -> int:
         return self._tenant_tokens.get(tenant, 0)
 
+    async def refresh_shared_counts(self) -> None:
+        """Take every replica's retained-token counts from a shared store (a private store's
+        own counts are exact), so new conversations spread by the same numbers everywhere."""
+        counts = await self.deps.store.shared_counts()
+        if counts is None:
+            return
+        by_decode, by_tenant = counts
+        for b in self.pool.decode:
+            b.retained_tokens = max(0, by_decode.get(b.name, 0))
+            self.metrics.retained_tokens.labels(b.name).set(b.retained_tokens)
+        self._tenant_tokens = dict(by_tenant)
+
     def _count_in(self, b: Backend, r: RetainedKV) -> None:
         b.retained_tokens += r.retained_tokens
         self.metrics.retained_tokens.labels(b.name).set(b.retained_tokens)
@@ -108,15 +125,19 @@ class Retention:
             if decode is not None:
                 await self.deps.leases.release(decode, r.handle_key)
 
-    async def release_by_client(self, conv: Conversation) -> int:
-        """DELETE of the session: frees the KV; returns how many tokens were held."""
+    async def release_by_client(self, held: HeldConversation) -> int:
+        """DELETE of the session: frees the KV; returns how many tokens were held.
+
+        ``held`` was taken with ``release_after_turn``: a turn in flight frees what it
+        retains as it settles. A shared store's busy conversation is only a snapshot: its turn
+        holds (and frees) the KV.
+        """
+        conv = held.conv
         freed = conv.retained.retained_tokens if conv.retained else 0
-        if conv.lock.locked():
-            # A turn is in flight (its handle already went to P): what it retains goes too.
-            conv.release_after_turn = conv.next_turn
         if conv.retained is not None:
             self.metrics.lease_events.labels("released").inc()
-        await self.release(conv, p.MissCause.RELEASED)
+        if held.writable:
+            await self.release(conv, p.MissCause.RELEASED)
         return freed
 
     async def evict(self, conv: Conversation) -> None:
@@ -137,10 +158,29 @@ class Retention:
         if self.s.reuse_policy == "upstream":
             return
         now = self.deps.clock.now_unix_s() if now_unix_s is None else now_unix_s
-        for conv in self.deps.store.values():
-            r = conv.retained
-            if r is not None and r.lease_deadline_unix_s <= now and not conv.lock.locked():
-                await self.expire(conv)
+        for tenant, cid in await self.deps.store.lapsed(now):
+            held = await self.deps.store.try_lock(cid, tenant)
+            if held is None:
+                continue
+            try:
+                r = held.conv.retained
+                if not held.busy and r is not None and r.lease_deadline_unix_s <= now:
+                    await self.expire(held.conv)
+            finally:
+                await held.commit()
+
+    async def _evict_other(self, victim: Conversation) -> None:
+        """Evict another conversation's KV (a view of it, with a shared store): under its
+        hold, unless a turn has it (a shared store's; here, its handle may be mid-read)."""
+        held = await self.deps.store.try_lock(victim.conversation_id, victim.tenant)
+        if held is None:
+            return
+        try:
+            r = held.conv.retained
+            if held.writable and r is not None:
+                await self.evict(held.conv)
+        finally:
+            await held.commit()
 
     async def enforce_budget(self, conv: Conversation, decode: Backend) -> None:
         """Keep ``conv``'s tenant under ``max_retained_tokens_per_tenant`` and ``decode`` under
@@ -151,6 +191,13 @@ class Retention:
         valuable leases (see :mod:`kvtether.router.budget`; why that order differs from the
         connector's is written in :mod:`kvtether.protocol`).
         """
+        try:
+            await self._enforce_caps(conv, decode)
+        except StoreError as exc:
+            # The turn is answered all the same; the next one over the cap tries again.
+            logger.warning("retained-token caps not enforced (%s)", exc)
+
+    async def _enforce_caps(self, conv: Conversation, decode: Backend) -> None:
         await self._enforce_tenant_cap(conv)
         if conv.retained is None:  # the turn alone was over the tenant's cap
             return
@@ -162,14 +209,13 @@ class Retention:
         if incoming > cap:
             await self.evict(conv)
             return
-        others = [c for c in self.deps.store.values()
-                  if c is not conv and c.retained is not None
-                  and c.retained.decode_instance == decode.name]
-        held = decode.retained_tokens - incoming
+        others = [c for c in await self.deps.store.holders(decode_instance=decode.name)
+                  if c.key != conv.key]
+        held = sum(c.retained.retained_tokens for c in others if c.retained is not None)
         victims = pick_evictions(others, held, incoming, cap, self.s.lease_ttl_s,
                                  now_unix_s=self.deps.clock.now_unix_s())
         for victim in victims:
-            await self.evict(victim)
+            await self._evict_other(victim)
 
     async def _enforce_tenant_cap(self, conv: Conversation) -> None:
         cap = self.s.max_retained_tokens_per_tenant
@@ -180,14 +226,13 @@ class Retention:
             await self.evict(conv)
             return
         others = sorted(
-            (c for c in self.deps.store.values()
-             if c.tenant == conv.tenant and c is not conv and c.retained is not None),
+            (c for c in await self.deps.store.holders(tenant=conv.tenant) if c.key != conv.key),
             key=lambda c: c.last_active_unix_s,
         )
         for victim in others:
             if self.tenant_retained_tokens(conv.tenant) <= cap:
                 break
-            await self.evict(victim)
+            await self._evict_other(victim)
 
     # ---------------------------------------------------------------- leases on D
     async def extend_for_handoff(self, conv: Conversation) -> None:

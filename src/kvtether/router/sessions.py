@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from pydantic import ValidationError
 from starlette.requests import Request
@@ -15,12 +17,18 @@ from kvtether import protocol as p
 from kvtether.router._deps import RouterDeps
 from kvtether.router._errors import RouterHTTPError
 from kvtether.router.access import tenant_of
-from kvtether.router.conversations import Conversation
+from kvtether.router.conversations import Conversation, HeldConversation, StoreError
 from kvtether.router.retention import RenewOutcome, Retention
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["SessionAPI"]
+
+T = TypeVar("T")
+
+
+def _unknown(cid: str) -> RouterHTTPError:
+    return RouterHTTPError(404, f"unknown session {cid!r}: no turn has used this id")
 
 
 class SessionAPI:
@@ -38,41 +46,74 @@ class SessionAPI:
             Route("/v1/sessions/{conversation_id}/heartbeat", self.heartbeat, methods=["POST"]),
         ]
 
-    def _conv(self, request: Request) -> Conversation:
+    async def _store(self, call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except StoreError as exc:
+            self.metrics.store_unavailable.inc()
+            logger.warning("conversation store: %s", exc)
+            raise RouterHTTPError(
+                503, "the router's conversation store is unavailable; retry shortly "
+                     "(turns are still answered, without KV reuse)", code="store_unavailable",
+            ) from None
+
+    async def _hold(self, request: Request, *, release_after_turn: bool = False,
+                    ) -> HeldConversation:
         cid = request.path_params["conversation_id"]
         # Another tenant's conversation is not found: same answer as an id never used.
-        conv = self.store.get(cid, tenant_of(request))
-        if conv is None:
-            raise RouterHTTPError(404, f"unknown session {cid!r}: no turn has used this id")
-        return conv
+        held = await self._store(self.store.try_lock(
+            cid, tenant_of(request), release_after_turn=release_after_turn))
+        if held is None:
+            raise _unknown(cid)
+        return held
 
     async def get(self, request: Request) -> Response:
-        status = self._conv(request).status(self.clock.now_unix_s())
-        return JSONResponse(status.model_dump(mode="json"))
+        cid = request.path_params["conversation_id"]
+        conv = await self._store(self.store.read(cid, tenant_of(request)))
+        if conv is None:
+            raise _unknown(cid)
+        return JSONResponse(conv.status(self.clock.now_unix_s()).model_dump(mode="json"))
 
-    def _require_leases(self, conv: Conversation, what: str) -> None:
+    def _require_leases(self, cid: str, what: str) -> None:
         if self.s.reuse_policy != "kvtether":
             raise RouterHTTPError(
-                409, f"cannot {what} session {conv.conversation_id!r}: this router runs reuse "
+                409, f"cannot {what} session {cid!r}: this router runs reuse "
                      f"policy '{self.s.reuse_policy}', which keeps no leases (decode holds KV "
                      "under vLLM's own TTL, or not at all); use reuse_policy 'kvtether'",
                 code="no_leases",
             )
 
     async def delete(self, request: Request) -> Response:
-        conv = self._conv(request)
-        self._require_leases(conv, "release")
-        freed = await self.retention.release_by_client(conv)
+        cid = request.path_params["conversation_id"]
+        if self.s.reuse_policy != "kvtether":
+            if await self._store(self.store.read(cid, tenant_of(request))) is None:
+                raise _unknown(cid)
+            self._require_leases(cid, "release")
+        held = await self._hold(request, release_after_turn=True)
+        try:
+            freed = await self.retention.release_by_client(held)
+        finally:
+            await self._store(held.commit())
         return JSONResponse(
-            {"conversation_id": conv.conversation_id, "released": True,
-             "retained_tokens_freed": freed}
+            {"conversation_id": cid, "released": True, "retained_tokens_freed": freed}
         )
 
     async def heartbeat(self, request: Request) -> Response:
         t0 = time.perf_counter()
-        conv = self._conv(request)
-        self._require_leases(conv, "renew the lease of")
+        cid = request.path_params["conversation_id"]
+        if self.s.reuse_policy != "kvtether":
+            if await self._store(self.store.read(cid, tenant_of(request))) is None:
+                raise _unknown(cid)
+            self._require_leases(cid, "renew the lease of")
         raw = await request.body()
+        held = await self._hold(request)
+        try:
+            return await self._beat(held, raw, t0)
+        finally:
+            await self._store(held.commit())
+
+    async def _beat(self, held: HeldConversation, raw: bytes, t0: float) -> Response:
+        conv = held.conv
         try:
             hb = p.HeartbeatRequest.model_validate(json.loads(raw) if raw.strip() else {})
         except json.JSONDecodeError as exc:
@@ -83,8 +124,8 @@ class SessionAPI:
 
         now = self.clock.now_unix_s()
         r = conv.retained
-        if r is None and conv.lock.locked():
-            # A turn is in flight: its answer will create a fresh lease.
+        if held.busy and (r is None or not held.writable):
+            # A turn is in flight (on any replica): its answer will create a fresh lease.
             return self._reply(conv, now + self.s.lease_ttl_s, 0, t0)
         if r is not None and r.lease_deadline_unix_s <= now:
             await self.retention.expire(conv)

@@ -11,7 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = [
@@ -146,3 +148,45 @@ class RouterSettings(RetentionSettings, AccessSettings, BaseSettings):
         description="turn records kept per conversation (GET /v1/sessions/{id} shows these; "
         "its totals count every turn)",
     )
+    store: str = Field(
+        default="memory",
+        description="where conversations live: 'memory' (this router only) or a Redis/Valkey "
+        "URL (redis://host:port/db, rediss://..., unix:///path.sock) shared by router replicas",
+    )
+    store_key_prefix: str = Field(
+        default="kvtether:", min_length=1,
+        description="prefix of every key the router writes in the shared store",
+    )
+    store_conversation_ttl_s: float = Field(
+        default=86400.0, gt=0, allow_inf_nan=False,
+        description="a conversation idle this long is forgotten by the shared store "
+        "(Redis's maxmemory is the bound on its size; max_conversations is not)",
+    )
+    store_lock_ttl_s: float = Field(
+        default=10.0, gt=0, allow_inf_nan=False,
+        description="expiry of a conversation's lock in the shared store; a replica extends "
+        "it while its turn runs, so only a replica that died or stalled lets it lapse",
+    )
+    store_lock_wait_s: float = Field(
+        default=30.0, ge=0, allow_inf_nan=False,
+        description="how long a turn waits for another turn of its conversation (on any "
+        "replica) to finish before it is refused with 409 conversation_busy",
+    )
+    store_timeout_s: float = Field(
+        default=1.0, gt=0, allow_inf_nan=False,
+        description="socket timeout of shared-store calls; past it the store counts as down "
+        "(turns go on as plain P/D, miss:store_unavailable)",
+    )
+
+    @field_validator("store")
+    @classmethod
+    def _store_url(cls, value: str) -> str:
+        value = value.strip()
+        if value == "memory":
+            return value
+        if urlsplit(value).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(
+                "store must be 'memory' or a Redis/Valkey URL "
+                "(redis://host:port/db, rediss://host:port/db or unix:///path/to/socket)"
+            )
+        return value

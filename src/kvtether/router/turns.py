@@ -21,7 +21,15 @@ from kvtether.router import legs
 from kvtether.router._deps import RouterDeps
 from kvtether.router._errors import RouterHTTPError
 from kvtether.router.backends import Backend
-from kvtether.router.conversations import Conversation, RetainedKV
+from kvtether.router.conversations import (
+    Conversation,
+    ConversationBusyError,
+    HeldConversation,
+    RetainedKV,
+    StoreError,
+    StoreFencedError,
+    StoreUnavailableError,
+)
 from kvtether.router.relay import TurnContext, relay_once, relay_stream
 from kvtether.router.retention import Retention
 from kvtether.router.reuse import ReusePlan, plan_reuse, plan_upstream, reuse_outcome
@@ -58,23 +66,56 @@ class TurnRunner:
 
     # ---------------------------------------------------------------- entry point
     async def run(self, req: TurnRequest) -> Response:
-        conv = (self.deps.store.get_or_create(req.conversation_id, req.tenant)
-                if req.conversation_id else None)
-        if conv is None:
+        if not req.conversation_id:
             return await self._run_locked(req, None)
-        await conv.lock.acquire()
         try:
-            response = await self._run_locked(req, conv)
+            held = await self.deps.store.lock(
+                req.conversation_id, req.tenant, wait_s=self.s.store_lock_wait_s
+            )
+        except ConversationBusyError:
+            raise RouterHTTPError(
+                409, f"conversation {req.conversation_id!r} has a turn in flight (on this or "
+                     f"another router replica) that did not finish within "
+                     f"{self.s.store_lock_wait_s:g} s; send the next turn once it has answered",
+                code="conversation_busy",
+            ) from None
+        except StoreUnavailableError as exc:
+            # Answered all the same, as plain P/D: nothing is known of the conversation.
+            logger.warning("conversation store unavailable (%s); turn of %s runs without reuse",
+                           exc, req.conversation_id)
+            self.deps.metrics.store_unavailable.inc()
+            return await self._run_locked(req, None, store_down=True)
+        try:
+            response = await self._run_locked(req, held)
         except BaseException:
-            conv.lock.release()
+            held.commit_soon()
             raise
         if isinstance(response, StreamingResponse):
-            # The stream's generator releases the lock when the answer has been relayed.
+            # The stream saves and lets go of the conversation when the answer has been relayed.
             return response
-        conv.lock.release()
+        await self._commit(held)
         return response
 
-    async def _run_locked(self, req: TurnRequest, conv: Conversation | None) -> Response:
+    async def _commit(self, held: HeldConversation) -> None:
+        """Save the conversation and let it go; free its KV if a release came meanwhile."""
+        conv = held.conv
+        try:
+            if await held.commit():
+                await self.retention.release(conv, p.MissCause.RELEASED)
+                await held.commit()
+        except StoreError as exc:
+            # The answer is delivered; what this turn retained can be found by nobody.
+            logger.warning("turn state of %s not saved (%s); releasing its retained KV",
+                           conv.conversation_id, exc)
+            if not isinstance(exc, StoreFencedError):
+                self.deps.metrics.store_unavailable.inc()
+            if conv.retained is not None:
+                await self.retention.release(conv, p.MissCause.NOT_RETAINED)
+
+    async def _run_locked(
+        self, req: TurnRequest, held: HeldConversation | None, *, store_down: bool = False
+    ) -> Response:
+        conv = held.conv if held is not None else None
         started = self.deps.clock.now_unix_s()
         prefill = self.pool.pick_prefill()
         if prefill is None:
@@ -85,7 +126,8 @@ class TurnRunner:
             raise RouterHTTPError(503, "no decode instance is reachable; retry shortly",
                                   code="upstream_unavailable")
 
-        plan = await self._plan(req, conv, prefill)
+        plan = (ReusePlan(None, 0, p.MissCause.STORE_UNAVAILABLE) if store_down
+                else await self._plan(req, conv, prefill))
         had_retained = conv is not None and conv.retained is not None
         previous = conv.last_token_ids if conv is not None else None
         taken: RetainedKV | None = None
@@ -130,6 +172,8 @@ class TurnRunner:
             block_size=self.s.kv_block_size_tokens,
             recompute_threshold_tokens=self.s.kv_recompute_threshold_tokens,
         )
+        if store_down:
+            outcome = p.ReuseOutcome.miss(p.MissCause.STORE_UNAVAILABLE, outcome.reused_tokens)
         record = p.TurnRecord(
             turn=conv.next_turn if conv else 1,
             outcome=outcome.label,
@@ -144,6 +188,7 @@ class TurnRunner:
         self._count(outcome, record)
         ctx = TurnContext(
             conv=conv,
+            held=held,
             decode=decode,
             upstream=upstream,
             record=record,
@@ -154,6 +199,10 @@ class TurnRunner:
 
         async def settle(ctx: TurnContext, handle: dict[str, Any] | None) -> None:
             await self._settle(ctx, handle, req.hints)
+            if held is not None:
+                # Saved before the client sees the end of the answer: its next turn may go
+                # to another replica at once.
+                await self._commit(held)
 
         async def no_handle() -> None:
             # vLLM 0.32 returns no handle on a streamed answer, and the upstream proxy has no
@@ -257,9 +306,8 @@ class TurnRunner:
         self.retention.retain(
             conv, decode, handle, ctx.prompt_ids + ctx.output_ids, ctx.handle_key, lease_s
         )
-        if (hints is not None and hints.phase == p.Phase.FINAL
-                or conv.release_after_turn == ctx.record.turn):
-            # The agent said this is its last turn, or released the session meanwhile.
+        if hints is not None and hints.phase == p.Phase.FINAL:
+            # The agent said this is its last turn (a release meanwhile: see _commit).
             await self.retention.release(conv, p.MissCause.RELEASED)
             return
         await self.retention.enforce_budget(conv, decode)
