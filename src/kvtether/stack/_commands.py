@@ -118,7 +118,8 @@ def _number(value: float) -> int | float:
 
 
 class VllmCommands:
-    """Real processes: ``python -m vllm.entrypoints.openai.api_server`` and ``kvtether router``."""
+    """Real processes: ``python -m vllm.entrypoints.openai.api_server``, ``kvtether router``,
+    ``kvtether front`` and the local store's ``redis-server`` (or ``valkey-server``)."""
 
     def __init__(self, python: str = sys.executable) -> None:
         self.python = python
