@@ -119,9 +119,10 @@ def test_new_conversations_alternate_decodes_when_prefill_picks_come_between() -
         decodes.append(pool.pick_decode(None).name)
     assert sorted(decodes) == ["decode-0", "decode-0", "decode-1", "decode-1"]
     assert sorted(prefills) == ["prefill-0", "prefill-0", "prefill-1", "prefill-1"]
-    # Load wins over rotation: the decode that retains less KV takes the next conversation.
+    # Load wins over rotation: with equal queues, the decode that retains less KV takes the
+    # next conversation...
     pool.decode[0].retained_tokens = 500
     assert {pool.pick_decode(None).name for _ in range(3)} == {"decode-1"}
-    pool.decode[0].retained_tokens = pool.decode[1].retained_tokens = 0
-    pool.decode[1].inflight = 2  # queue depth breaks a tie of retained tokens
+    # ... and a shorter queue wins over retaining less: a burst of new conversations spreads.
+    pool.decode[1].inflight = 1
     assert {pool.pick_decode(None).name for _ in range(3)} == {"decode-0"}

@@ -53,8 +53,8 @@ KEEPALIVE_EXPIRY_S = 2.0
 class BackendPool:
     """Prefill instances are picked by load; decode instances by conversation affinity.
 
-    Load: a prefill instance's requests in flight; a decode instance's retained KV tokens, then
-    its requests in flight (queue depth), for a conversation that has no instance yet. Ties go
+    Load: a prefill instance's requests in flight; a decode instance's requests in flight
+    (queue depth), then its retained KV tokens, for a conversation that has no instance yet. Ties go
     round-robin, each role with its own rotation (one shared counter, advanced by prefill and
     decode picks in turn, gave every decode tie to the same instance).
     """
@@ -125,7 +125,10 @@ class BackendPool:
             return pref
         return self._least_loaded(
             [b for b in self.decode if b.name not in exclude],
-            key=lambda b: (b.retained_tokens, b.inflight),
+            # Queue depth first: a burst of new conversations spreads at once (retained KV
+            # first sent a whole burst to the instance that happened to retain less); retained
+            # tokens then spread what arrives while the instances are equally busy.
+            key=lambda b: (b.inflight, b.retained_tokens),
         )
 
     def next_decode(self, exclude: frozenset[str] | set[str] = frozenset()) -> Backend | None:
