@@ -109,6 +109,7 @@ async def test_try_lock_sees_a_turn_in_flight_and_unknown_ids(store: Conversatio
 
 
 async def test_a_release_during_a_turn_is_done_when_it_settles(store: ConversationStore) -> None:
+    await (await store.lock("c4", "", wait_s=1)).commit()  # an earlier turn retained nothing
     turn = await store.lock("c4", "", wait_s=1)
     deleting = await store.try_lock("c4", "", release_after_turn=True)
     assert deleting is not None and deleting.busy

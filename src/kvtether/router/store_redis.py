@@ -3,7 +3,7 @@
 Keys, under ``store_key_prefix`` (``kvtether:``); a *member* is ``{tenant}:{conversation id}``
 (tenant names have no ``:``)::
 
-    c:{member}            hash: the conversation (see _dump); idle expiry store_conversation_ttl_s
+    c:{member}            hash: the conversation (_redis_codec), idle expiry (conversation_ttl_s)
     lock:{member}         the conversation's lock: the holder's fencing token, with an expiry
     rel:{member}          a release asked for while a turn held the conversation
     fence                 the fencing token counter (INCR)
@@ -22,11 +22,8 @@ server (or a primary with replicas), not Redis Cluster.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from array import array
-from collections import deque
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -36,13 +33,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvtether.protocol import MissCause, Phase, TurnRecord
+from kvtether.router import _redis_lua as lua
+from kvtether.router._redis_codec import FIELDS, dump, fields, load
 from kvtether.router.conversations import (
     DEFAULT_MAX_TURN_RECORDS,
     Conversation,
     ConversationBusyError,
     HeldConversation,
-    RetainedKV,
     StoreFencedError,
     StoreUnavailableError,
 )
@@ -50,82 +47,6 @@ from kvtether.router.conversations import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["RedisConversationStore"]
-
-_LOCK = """
--- A turn loads the whole conversation; a heartbeat, release or reap what leases need.
-local function load()
-  if ARGV[2] == 'turn' then return redis.call('HGETALL', KEYS[2]) end
-  local out, names = {}, {'meta', 'ret', 'rtok'}
-  local values = redis.call('HMGET', KEYS[2], unpack(names))
-  for i, name in ipairs(names) do
-    if values[i] then out[#out + 1] = name; out[#out + 1] = values[i] end
-  end
-  return out
-end
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  if ARGV[2] == 'mark' then redis.call('SET', KEYS[4], '1', 'PX', ARGV[3]) end
-  local data = {}
-  if ARGV[2] ~= 'turn' then data = load() end
-  return {0, redis.call('PTTL', KEYS[1]), data}
-end
-if ARGV[2] ~= 'turn' and redis.call('EXISTS', KEYS[2]) == 0 then
-  redis.call('ZREM', KEYS[5], ARGV[4])  -- expired while it held KV: the reaper lets go
-  return {-1, 0, {}}
-end
-local token = redis.call('INCR', KEYS[3])
-redis.call('SET', KEYS[1], token, 'PX', ARGV[1])
-return {token, 0, load()}
-"""
-
-# ARGV[9]: '0' save only, '1' save and unlock, '2' save and unlock even if a release is pending
-# (it stays pending for the next holder). -1: fenced out; 1: saved (and unlocked if asked);
-# 2: saved, a release was asked for while the conversation retains KV: still locked.
-_SAVE = """
-local cur = redis.call('GET', KEYS[1])
-local token = ARGV[1]
-if cur and cur ~= token then return -1 end
-local written = tonumber(redis.call('HGET', KEYS[2], 'fence') or '0')
-if written > tonumber(token) then return -1 end
-local member, tenant, holding = ARGV[3], ARGV[4], ARGV[5]
-local ord = redis.call('HGET', KEYS[2], 'rd') or ''
-local ort = tonumber(redis.call('HGET', KEYS[2], 'rt') or '0')
-if ord ~= '' then
-  redis.call('HINCRBY', KEYS[4], ord, -ort)
-  redis.call('HINCRBY', KEYS[5], tenant, -ort)
-  redis.call('ZREM', holding .. ord, member)
-end
-local rd, rt = ARGV[6], tonumber(ARGV[7])
-if rd ~= '' then
-  redis.call('HINCRBY', KEYS[4], rd, rt)
-  redis.call('HINCRBY', KEYS[5], tenant, rt)
-  redis.call('ZADD', holding .. rd, rt, member)
-  redis.call('ZADD', KEYS[6], ARGV[8], member)
-else
-  redis.call('ZREM', KEYS[6], member)
-end
-local fields = {'fence', token, 'rd', rd, 'rt', ARGV[7]}
-for i = 11, #ARGV do fields[#fields + 1] = ARGV[i] end
-redis.call('HSET', KEYS[2], unpack(fields))
-redis.call('PEXPIRE', KEYS[2], ARGV[2])
-if ARGV[9] == '0' then return 1 end
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  if rd == '' then
-    redis.call('DEL', KEYS[3])
-  elseif ARGV[9] == '1' then
-    redis.call('SET', KEYS[1], token, 'PX', ARGV[10])
-    return 2
-  end
-end
-if cur then redis.call('DEL', KEYS[1]) end
-return 1
-"""
-
-_EXTEND = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
 
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 
@@ -231,9 +152,9 @@ class RedisConversationStore:
         self._max_turn_records = max_turn_records
         self.metrics = metrics
         self._background: set[asyncio.Task[Any]] = set()
-        self._lock_script = self._r.register_script(_LOCK)
-        self._save_script = self._r.register_script(_SAVE)
-        self._extend_script = self._r.register_script(_EXTEND)
+        self._lock_script = self._r.register_script(lua.LOCK)
+        self._save_script = self._r.register_script(lua.SAVE)
+        self._extend_script = self._r.register_script(lua.EXTEND)
 
     # ---------------------------------------------------------------- plumbing
     def _keys(self, member: str) -> tuple[str, str, str]:
@@ -269,8 +190,8 @@ class RedisConversationStore:
                 args=[self._lock_ttl_ms, "turn", self.conversation_ttl_ms, member],
             ))
             if token > 0:
-                loaded = _fields(data)
-                conv = self._load(conversation_id, tenant, loaded)
+                loaded = fields(data)
+                conv = load(conversation_id, tenant, loaded, self._max_turn_records)
                 return _RedisHeld(self, conv, int(token), busy=False, loaded=loaded,
                                   partial=False)
             left_s = deadline - time.monotonic()
@@ -292,8 +213,8 @@ class RedisConversationStore:
         if token < 0:
             return None
         # Busy and not yet saved: the conversation's first turn is in flight.
-        loaded = _fields(data)
-        conv = self._load(conversation_id, tenant, loaded)
+        loaded = fields(data)
+        conv = load(conversation_id, tenant, loaded, self._max_turn_records)
         return _RedisHeld(self, conv, int(token), busy=token == 0, loaded=loaded, partial=True)
 
     async def _save(self, held: _RedisHeld, *, unlock: str) -> int:
@@ -307,16 +228,20 @@ class RedisConversationStore:
             r.decode_instance if r else "", r.retained_tokens if r else 0,
             repr(r.lease_deadline_unix_s) if r else 0, unlock, self._lock_ttl_ms,
         ]
-        names = (_FIELDS if not held.partial
-                 else [f for f in _FIELDS if f.encode() in held.loaded])
-        for name, value in _dump(conv, names).items():
-            if held.loaded.get(name) != value:
-                args += [name, value]
-        return int(await self._call("save", self._save_script(
+        names = (FIELDS if not held.partial
+                 else [f for f in FIELDS if f.encode() in held.loaded])
+        changed = {name: value for name, value in dump(conv, names).items()
+                   if held.loaded.get(name) != value}
+        for name, value in changed.items():
+            args += [name, value]
+        code = int(await self._call("save", self._save_script(
             keys=[lock, conv_key, marker, f"{p}retained:decode", f"{p}retained:tenant",
                   f"{p}leases"],
             args=args,
         )))
+        if code != -1:
+            held.loaded.update(changed)  # what the store now holds
+        return code
 
     async def _extend_lock(self, conv: Conversation, token: int) -> bool:
         lock, _, _ = self._keys(f"{conv.tenant}:{conv.conversation_id}")
@@ -327,7 +252,8 @@ class RedisConversationStore:
     async def read(self, conversation_id: str, tenant: str) -> Conversation | None:
         _, conv_key, _ = self._keys(f"{tenant}:{conversation_id}")
         data = await self._call("read", self._r.hgetall(conv_key))
-        return self._load(conversation_id, tenant, _fields(data)) if data else None
+        return (load(conversation_id, tenant, fields(data), self._max_turn_records)
+                if data else None)
 
     async def holders(self, decode_instance: str | None = None,
                       tenant: str | None = None) -> list[Conversation]:
@@ -351,7 +277,7 @@ class RedisConversationStore:
             t, _, cid = m.partition(":")
             if meta is not None:
                 data = {b"meta": meta, b"ret": ret or b""}
-                conv = self._load(cid, t, data)
+                conv = load(cid, t, data, self._max_turn_records)
                 if conv.retained is not None and (
                         decode_instance is None
                         or conv.retained.decode_instance == decode_instance):
@@ -389,101 +315,3 @@ class RedisConversationStore:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self._r.aclose()
-
-    # ---------------------------------------------------------------- (de)serializing
-    def _load(self, conversation_id: str, tenant: str, data: dict[bytes, bytes]) -> Conversation:
-        conv = Conversation(conversation_id, tenant,
-                            turns=deque(maxlen=self._max_turn_records))
-        if not data:
-            return conv
-        meta = json.loads(data[b"meta"])
-        conv.decode_instance = meta["decode"]
-        conv.gone_cause = MissCause(meta["gone"]) if meta["gone"] else None
-        conv.turn_count = meta["turn_count"]
-        conv.fired_turns = meta["fired_turns"]
-        conv.prompt_tokens_total = meta["prompt_tokens_total"]
-        conv.reused_tokens_total = meta["reused_tokens_total"]
-        conv.last_active_unix_s = meta["last_active_unix_s"]
-        conv.phase = Phase(meta["phase"]) if meta["phase"] else None
-        conv.expected_next_prompt_tokens = meta["expected_next_prompt_tokens"]
-        if b"turns" in data:
-            conv.turns.extend(TurnRecord.model_validate(t) for t in json.loads(data[b"turns"]))
-        conv.last_token_ids = _unpack(data.get(b"seq", b""))
-        ret = data.get(b"ret")
-        if ret:
-            r = json.loads(ret)
-            tokens = _unpack(data.get(b"rtok", b""))
-            conv.retained = RetainedKV(
-                decode_instance=r["decode_instance"], params=r["params"],
-                token_ids=list(tokens) if tokens is not None else [],
-                retained_tokens=r["retained_tokens"],
-                lease_deadline_unix_s=r["lease_deadline_unix_s"],
-                handle_key=r["handle_key"], created_unix_s=r["created_unix_s"],
-            )
-        return conv
-
-
-_FIELDS = ["meta", "turns", "seq", "ret", "rtok"]
-
-
-def _fields(data: Any) -> dict[bytes, bytes]:
-    """A script's HGETALL (flat field, value pairs) or a client's, as {field: value}."""
-    if isinstance(data, list):
-        data = dict(zip(data[::2], data[1::2], strict=True))
-    return {(k.encode() if isinstance(k, str) else k): v for k, v in data.items()}
-
-
-def _dump(conv: Conversation, names: list[str]) -> dict[bytes, bytes]:
-    """The named fields of the conversation's hash, as bytes (compared with what was read)."""
-    out: dict[bytes, bytes] = {}
-    r = conv.retained
-    for name in names:
-        if name == "meta":
-            value: bytes = json.dumps({
-                "decode": conv.decode_instance,
-                "gone": conv.gone_cause.value if conv.gone_cause else None,
-                "turn_count": conv.turn_count,
-                "fired_turns": conv.fired_turns,
-                "prompt_tokens_total": conv.prompt_tokens_total,
-                "reused_tokens_total": conv.reused_tokens_total,
-                "last_active_unix_s": conv.last_active_unix_s,
-                "phase": conv.phase.value if conv.phase else None,
-                "expected_next_prompt_tokens": conv.expected_next_prompt_tokens,
-            }, separators=(",", ":")).encode()
-        elif name == "turns":
-            value = json.dumps([t.model_dump(mode="json") for t in conv.turns],
-                               separators=(",", ":")).encode()
-        elif name == "seq":
-            value = _pack(conv.last_token_ids)
-        elif name == "ret":
-            value = b"" if r is None else json.dumps({
-                "decode_instance": r.decode_instance, "params": r.params,
-                "retained_tokens": r.retained_tokens,
-                "lease_deadline_unix_s": r.lease_deadline_unix_s, "handle_key": r.handle_key,
-                "created_unix_s": r.created_unix_s,
-            }, separators=(",", ":")).encode()
-        else:  # rtok
-            value = b"" if r is None else _pack(r.token_ids)
-        out[name.encode()] = value
-    return out
-
-
-def _pack(ids: Any) -> bytes:
-    """Token ids as the bytes of an ``array`` (4 bytes a token), its typecode first."""
-    if ids is None or len(ids) == 0:
-        return b""
-    if isinstance(ids, array):
-        return ids.typecode.encode() + ids.tobytes()
-    try:
-        a = array("I", ids)
-    except OverflowError:
-        a = array("q", ids)
-    return a.typecode.encode() + a.tobytes()
-
-
-def _unpack(raw: bytes) -> array | None:
-    if not raw:
-        return None
-    a = array(raw[:1].decode())
-    a.frombytes(raw[1:])
-    return a
