@@ -1,9 +1,6 @@
 """`stack up --routers 2 --store local` on real vLLM (cpu-tiny): the front spreads turns over
-both router replicas, which share a real local redis-server; `stack down` leaves no process.
-
-Until the router takes ``--store`` (issue 13, part 1) its replicas are started without it:
-everything here but the shared conversations is still checked (processes, the front, the
-local Redis, shutdown), and the test that needs the shared store is skipped, saying why.
+both router replicas, which share a real local redis-server (a conversation whose turns
+alternate between them reuses KV on every turn); `stack down` leaves no process.
 """
 
 from __future__ import annotations
@@ -22,8 +19,6 @@ import psutil
 import pytest
 
 from kvtether import protocol as p
-from kvtether.router.settings import RouterSettings
-from kvtether.stack._commands import Command, InstancePlan, VllmCommands
 from kvtether.stack._state import load_state
 from kvtether.stack.settings import StackSettings
 
@@ -35,20 +30,7 @@ pytestmark = [
                        reason="needs redis-server or valkey-server (apt install redis-server)"),
 ]
 
-ROUTER_HAS_STORE = "store" in RouterSettings.model_fields
-NO_STORE_YET = "the router does not take --store yet (issue 13 part 1): replicas share nothing"
 _BASE = int(os.environ.get("KVTETHER_TEST_PORT_BASE", "18000")) + 400
-
-
-class _RoutersWithoutStore(VllmCommands):
-    """Real processes; the routers get no ``--store`` (a router that does not know it yet)."""
-
-    def command(self, plan: InstancePlan, settings: StackSettings) -> Command:
-        cmd = super().command(plan, settings)
-        if plan.role == "router" and "--store" in cmd.argv:
-            at = cmd.argv.index("--store")
-            cmd = Command(cmd.argv[:at] + cmd.argv[at + 2:], cmd.env)
-        return cmd
 
 
 @dataclass
@@ -97,11 +79,8 @@ def scaled(tmp_path_factory: pytest.TempPathFactory,
         profile="cpu-tiny", routers=2, store="local", port=_BASE, base_port=_BASE + 10,
         side_channel_base_port=_BASE - 1700, control_base_port=_BASE + 20, state_dir=state_dir,
         lease_ttl_s=60, health_timeout_s=900,
-        # Without a shared store, warm-up turns alternating replicas could never reuse KV.
-        warm_up=ROUTER_HAS_STORE,
     )
-    commands = None if ROUTER_HAS_STORE else _RoutersWithoutStore()
-    stack = Stack(settings, commands=commands).up(detach=True)
+    stack = Stack(settings).up(detach=True)
     try:
         state = load_state(state_dir)
         assert state is not None
@@ -133,7 +112,7 @@ def test_turns_through_the_front_reach_both_replicas(
 ) -> None:
     seen = []
     with httpx.Client(timeout=600, trust_env=False) as client:
-        for i in range(4):  # one-turn conversations: correct with or without a shared store
+        for i in range(4):
             body = {"model": scaled.model, "max_tokens": 8, "temperature": 0,
                     "return_token_ids": True,
                     "messages": [{"role": "user", "content": f"task {i}: read file {i}"}]}
@@ -145,7 +124,6 @@ def test_turns_through_the_front_reach_both_replicas(
     assert sorted(seen) == ["router-0", "router-0", "router-1", "router-1"]
 
 
-@pytest.mark.skipif(not ROUTER_HAS_STORE, reason=NO_STORE_YET)
 def test_a_conversation_alternating_replicas_reuses_kv_every_turn(
     scaled: ScaledStack, reference_vllm: Reference
 ) -> None:
