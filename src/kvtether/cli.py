@@ -29,6 +29,7 @@ from pydantic_settings import (
 
 from kvtether.errors import KVTetherError
 from kvtether.protocol import first_field_error
+from kvtether.router.front import FrontSettings
 from kvtether.router.settings import RouterSettings
 from kvtether.stack.models import ModelName
 from kvtether.stack.settings import StackSettings, stack_settings_subset
@@ -131,6 +132,17 @@ class RouterCommand(RouterSettings):
         serve(RouterSettings.model_validate(self.model_dump()))
 
 
+class FrontCommand(FrontSettings):
+    """Run a round-robin front for router replicas sharing a --store (`stack up --routers N`)."""
+
+    model_config = SettingsConfigDict(cli_kebab_case=True, cli_implicit_flags=True)
+
+    def cli_cmd(self) -> None:
+        from kvtether.router.front import serve_front
+
+        serve_front(FrontSettings.model_validate(self.model_dump()))
+
+
 # --- pass-through commands (listed here for --help; main() dispatches them) -------------------
 class BenchCommand(BaseModel):
     """Replay multi-turn agent sessions and compare strategies (see `kvtether bench --help`)."""
@@ -157,6 +169,7 @@ class KVTetherCli(BaseSettings):
     model: CliSubCommand[ModelGroup]
     stack: CliSubCommand[StackGroup]
     router: CliSubCommand[RouterCommand]
+    front: CliSubCommand[FrontCommand]
     bench: CliSubCommand[BenchCommand]
     demo: CliSubCommand[DemoCommand]
 

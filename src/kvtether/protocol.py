@@ -34,6 +34,7 @@ __all__ = [
     "HEADER_TURN",
     "HEADER_DECODE_INSTANCE",
     "HEADER_SALVAGED_TOKENS",
+    "HEADER_ROUTER",
     "HEADER_REUSABLE_TOKENS",
     "KVTETHER_BODY_FIELDS",
     "Phase",
@@ -110,6 +111,8 @@ HEADER_DECODE_INSTANCE = "X-KVTether-Decode-Instance"
 # Whenever the prompt diverged from decode's retained sequence: the whole-block prefix of
 # decode's KV that still matched and was offered to prefill.
 HEADER_SALVAGED_TOKENS = "X-KVTether-Salvaged-Tokens"
+# Set by the round-robin front of several router replicas: which replica answered.
+HEADER_ROUTER = "X-KVTether-Router"
 
 MAX_CONVERSATION_ID_LEN = 256
 

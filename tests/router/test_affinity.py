@@ -103,3 +103,26 @@ async def test_no_handle_forwarded_for_a_decode_known_down() -> None:
         await h.client.get("/health")
         await a.say("two")
         assert h.p.prefill_handles[-1] is None
+
+
+def test_new_conversations_alternate_decodes_when_prefill_picks_come_between() -> None:
+    """Each turn picks a prefill, then a decode: equal loads must still spread new
+    conversations over both decode instances (and both prefills)."""
+    from kvtether.router.backends import BackendPool
+    from kvtether.router.settings import RouterSettings
+
+    pool = BackendPool(RouterSettings(prefill_urls=["http://p0", "http://p1"],
+                                      decode_urls=["http://d0", "http://d1"]))
+    prefills, decodes = [], []
+    for _ in range(4):
+        prefills.append(pool.pick_prefill().name)
+        decodes.append(pool.pick_decode(None).name)
+    assert sorted(decodes) == ["decode-0", "decode-0", "decode-1", "decode-1"]
+    assert sorted(prefills) == ["prefill-0", "prefill-0", "prefill-1", "prefill-1"]
+    # Load wins over rotation: with equal queues, the decode that retains less KV takes the
+    # next conversation...
+    pool.decode[0].retained_tokens = 500
+    assert {pool.pick_decode(None).name for _ in range(3)} == {"decode-1"}
+    # ... and a shorter queue wins over retaining less: a burst of new conversations spreads.
+    pool.decode[1].inflight = 1
+    assert {pool.pick_decode(None).name for _ in range(3)} == {"decode-0"}

@@ -9,15 +9,16 @@ from pathlib import Path
 
 import psutil
 
-from kvtether.stack._commands import Command, InstancePlan
+from kvtether.stack._commands import Command, InstancePlan, VllmCommands
 from kvtether.stack.settings import StackSettings
 
 FAKE_SERVER = Path(__file__).with_name("fake_server.py")
 
 
 class FakeCommands:
-    """Starts ``fake_server.py`` in place of vLLM and the router; ``behaviour`` maps a process
-    name ("decode-0", "router", or "*" for all) to FAKE_* env vars."""
+    """Starts ``fake_server.py`` in place of vLLM and the routers; ``behaviour`` maps a process
+    name ("decode-0", "router", or "*" for all) to FAKE_* env vars. The front and the local
+    store (redis-server) are the real ones: both start in well under a second."""
 
     def __init__(self, behaviour: dict[str, dict[str, str]] | None = None) -> None:
         self.behaviour = behaviour or {}
@@ -25,6 +26,8 @@ class FakeCommands:
 
     def command(self, plan: InstancePlan, settings: StackSettings) -> Command:
         self.plans.append(plan)
+        if plan.role in ("front", "store"):
+            return VllmCommands().command(plan, settings)
         env = {**self.behaviour.get("*", {}), **self.behaviour.get(plan.name, {})}
         argv = [sys.executable, str(FAKE_SERVER), "--host", plan.host, "--port", str(plan.port)]
         return Command(argv + ["--name", plan.name], env)

@@ -51,7 +51,13 @@ KEEPALIVE_EXPIRY_S = 2.0
 
 
 class BackendPool:
-    """Prefill instances are picked by load; decode instances by conversation affinity."""
+    """Prefill instances are picked by load; decode instances by conversation affinity.
+
+    Load: a prefill instance's requests in flight; a decode instance's requests in flight
+    (queue depth), then its retained KV tokens, for a conversation that has no instance yet. Ties go
+    round-robin, each role with its own rotation (one shared counter, advanced by prefill and
+    decode picks in turn, gave every decode tie to the same instance).
+    """
 
     def __init__(
         self, settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None
@@ -84,7 +90,7 @@ class BackendPool:
 
         self.prefill = make("prefill", settings.prefill_urls, settings.prefill_control_urls)
         self.decode = make("decode", settings.decode_urls, settings.decode_control_urls)
-        self._rr = 0
+        self._tie_rotation = {"prefill": 0, "decode": 0}
         self._decode_rr = 0
 
     @property
@@ -101,9 +107,10 @@ class BackendPool:
         live = [b for b in backends if b.available] or sorted(
             backends, key=lambda b: b.down_until_monotonic_s
         )[:1]
-        self._rr += 1
+        role = backends[0].role
+        self._tie_rotation[role] += 1
         # Rotate first so ties are broken round-robin.
-        k = self._rr % len(live)
+        k = self._tie_rotation[role] % len(live)
         live = live[k:] + live[:k]
         return min(live, key=key)
 
@@ -118,7 +125,10 @@ class BackendPool:
             return pref
         return self._least_loaded(
             [b for b in self.decode if b.name not in exclude],
-            key=lambda b: (b.retained_tokens, b.inflight),
+            # Queue depth first: a burst of new conversations spreads at once (retained KV
+            # first sent a whole burst to the instance that happened to retain less); retained
+            # tokens then spread what arrives while the instances are equally busy.
+            key=lambda b: (b.inflight, b.retained_tokens),
         )
 
     def next_decode(self, exclude: frozenset[str] | set[str] = frozenset()) -> Backend | None:

@@ -79,6 +79,9 @@ def run_up(settings: StackSettings, commands: CommandBuilder | None = None) -> i
 def _print_ready(console: Any, stack: Stack, settings: StackSettings) -> None:
     url = stack.router_url if settings.start_router else ", ".join(stack.prefill_urls)
     console.print(f"[green]stack is up[/]: {url}  model [bold]{stack.served_model_name}[/]")
+    if len(stack.router_replica_urls) > 1:
+        console.print(f"round-robin front over {len(stack.router_replica_urls)} router "
+                      f"replicas: {', '.join(stack.router_replica_urls)}")
     console.print(f"state: {state_path(settings.state_dir)}")
     if settings.detach:
         console.print("stop it with: kvtether stack down" + _state_dir_hint(settings.state_dir))

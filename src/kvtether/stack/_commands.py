@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from kvtether.protocol import CONTROL_SECRET_ENV
 from kvtether.router.settings import AccessSettings, RetentionSettings
 from kvtether.stack._state import Role
+from kvtether.stack._store import find_store_server, store_server_argv
 from kvtether.stack.models import tool_call_args
 from kvtether.stack.settings import StackSettings
 
@@ -52,10 +53,17 @@ class InstancePlan:
     decode_control_urls: tuple[str, ...] = ()
     # The control channels' shared secret: to vLLM and the router through their environment.
     control_secret: str | None = field(default=None, repr=False)
+    # A router: the conversation store it shares with the other replicas (may hold a password).
+    store_url: str | None = field(default=None, repr=False)
+    # The front: the router replicas it spreads requests over.
+    upstream_urls: tuple[str, ...] = ()
+    # The local store: its working directory (no persistence; Redis still wants one).
+    data_dir: Path | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        scheme = "redis" if self.role == "store" else "http"
+        return f"{scheme}://{self.host}:{self.port}"
 
 
 @dataclass(frozen=True)
@@ -110,7 +118,8 @@ def _number(value: float) -> int | float:
 
 
 class VllmCommands:
-    """Real processes: ``python -m vllm.entrypoints.openai.api_server`` and ``kvtether router``."""
+    """Real processes: ``python -m vllm.entrypoints.openai.api_server``, ``kvtether router``,
+    ``kvtether front`` and the local store's ``redis-server`` (or ``valkey-server``)."""
 
     def __init__(self, python: str = sys.executable) -> None:
         self.python = python
@@ -118,7 +127,19 @@ class VllmCommands:
     def command(self, plan: InstancePlan, settings: StackSettings) -> Command:
         if plan.role == "router":
             return self._router(plan, settings)
+        if plan.role == "front":
+            return self._front(plan, settings)
+        if plan.role == "store":
+            assert plan.data_dir is not None
+            return Command(store_server_argv(find_store_server(), plan.port, plan.data_dir))
         return self._vllm(plan, settings)
+
+    def _front(self, plan: InstancePlan, settings: StackSettings) -> Command:
+        argv = [self.python, "-m", "kvtether", "front", "--host", plan.host,
+                "--port", str(plan.port), "--upstream-urls", json.dumps(list(plan.upstream_urls)),
+                # Larger bodies would be refused by every replica anyway.
+                "--max-request-body-bytes", str(settings.max_request_body_bytes)]
+        return Command(argv, {"PYTHONUNBUFFERED": "1"})
 
     def _vllm(self, plan: InstancePlan, settings: StackSettings) -> Command:
         assert plan.model_dir is not None and plan.served_model_name is not None
@@ -197,6 +218,8 @@ class VllmCommands:
                 argv += [flag, json.dumps(list(value))]
             elif value is not None:
                 argv += [flag, str(value)]
+        if plan.store_url is not None and not _has_password(plan.store_url):
+            argv += ["--store", plan.store_url]
         return Command(argv, {"PYTHONUNBUFFERED": "1", **router_secrets(plan, settings)})
 
 
@@ -234,4 +257,11 @@ def router_secrets(plan: InstancePlan, settings: StackSettings) -> dict[str, str
         env["KVTETHER_ROUTER_API_KEY"] = settings.api_key.get_secret_value()
     if plan.control_secret:
         env["KVTETHER_ROUTER_CONTROL_SECRET"] = plan.control_secret
+    if plan.store_url is not None and _has_password(plan.store_url):
+        env["KVTETHER_ROUTER_STORE"] = plan.store_url
     return env
+
+
+def _has_password(url: str) -> bool:
+    """A store URL with credentials (``redis://:pw@host``) goes in the environment, not argv."""
+    return "@" in url.partition("://")[2].partition("/")[0]

@@ -28,18 +28,20 @@ class InstanceStatus:
     log_path: Path
 
 
+# Stopped in this order (no new requests first), each group's processes at once.
+_STOP_ORDER = (("front",), ("router",), ("prefill", "decode", "reference", "store"))
+
+
 def stop_records(records: list[ProcessRecord], timeout_s: float) -> list[int]:
-    """Router first (no new requests), then every engine at once."""
+    """The front, then the routers, then every engine and the local store at once."""
     survivors: list[int] = []
-    for r in records:
-        if r.role == "router":
-            survivors += _procs.stop_group(r.pid, r.create_time, timeout_s)
-    engines = [r for r in records if r.role != "router"]
-    if engines:
-        with ThreadPoolExecutor(max_workers=len(engines)) as pool:
-            stop = lambda r: _procs.stop_group(r.pid, r.create_time, timeout_s)  # noqa: E731
-            for left in pool.map(stop, engines):
-                survivors += left
+    stop = lambda r: _procs.stop_group(r.pid, r.create_time, timeout_s)  # noqa: E731
+    for roles in _STOP_ORDER:
+        group = [r for r in records if r.role in roles]
+        if group:
+            with ThreadPoolExecutor(max_workers=len(group)) as pool:
+                for left in pool.map(stop, group):
+                    survivors += left
     return survivors
 
 

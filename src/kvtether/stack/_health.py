@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -35,9 +36,22 @@ class Starting:
 
 
 def probe(client: httpx.Client, url: str) -> bool:
+    """``GET /health`` answers 200; for a ``redis://`` URL (the local store), PING answers."""
+    if url.startswith("redis://"):
+        return _redis_ping(url)
     try:
         return client.get(url.rstrip("/") + "/health").status_code == 200
     except httpx.HTTPError:
+        return False
+
+
+def _redis_ping(url: str, timeout_s: float = 2.0) -> bool:
+    host, _, port = url.removeprefix("redis://").partition("/")[0].rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+            sock.sendall(b"PING\r\n")  # the inline command form every Redis and Valkey takes
+            return sock.recv(64).startswith(b"+PONG")
+    except (OSError, ValueError):
         return False
 
 

@@ -14,14 +14,14 @@ from kvtether.stack._errors import StackError
 
 __all__ = ["Role", "ProcessRecord", "StackState", "state_path", "load_state", "save_state"]
 
-Role = Literal["prefill", "decode", "router", "reference"]
+Role = Literal["prefill", "decode", "router", "reference", "store", "front"]
 STATE_VERSION = 1
 
 
 class ProcessRecord(BaseModel):
     """One process the stack started."""
 
-    name: str  # "prefill-0", "decode-1", "router"
+    name: str  # "prefill-0", "decode-1", "router" (or "router-0", "router-1", "front"), "store"
     role: Role
     url: str
     port: int

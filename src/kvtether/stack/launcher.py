@@ -35,15 +35,14 @@ from kvtether.stack._control import (
 from kvtether.stack._errors import (
     ConfigError,
     InstanceFailedError,
-    PortInUseError,
     StackAlreadyRunningError,
     StackError,
 )
 from kvtether.stack._health import Starting, wait_healthy
+from kvtether.stack._plan import check_ports, plan_processes, start_phases
 from kvtether.stack._reference import start_reference_vllm
 from kvtether.stack._state import (
     ProcessRecord,
-    Role,
     StackState,
     load_state,
     remove_state,
@@ -108,6 +107,11 @@ class Stack:
         return f"http://{self.settings.host}:{self.settings.port}"
 
     @property
+    def router_replica_urls(self) -> list[str]:
+        """Each router process (one, or the replicas behind the front at ``router_url``)."""
+        return [p.url for p in self._plans if p.role == "router"]
+
+    @property
     def prefill_urls(self) -> list[str]:
         return [p.url for p in self._plans if p.role == "prefill"]
 
@@ -146,8 +150,8 @@ class Stack:
             given = self.settings.control_secret
             self._control_secret = given.get_secret_value() if given else secrets.token_urlsafe(32)
         model_dir, served = resolve_model(self.settings)
-        self._plans = self._plan(model_dir, served)
-        _check_ports(self.settings.host, self._plans)
+        self._plans = plan_processes(self.settings, model_dir, served, self._control_secret)
+        check_ports(self.settings.host, self._plans)
         self.state = StackState(
             detached=detach,
             owner_stops_on_sigterm=self.owner_stops_on_sigterm and not detach,
@@ -157,13 +161,12 @@ class Stack:
         )
         t0 = time.monotonic()
         try:
-            engines = [p for p in self._plans if p.role != "router"]
-            self._wait([self._spawn(p) for p in engines])
             if self.settings.start_router:
                 self.state.router_url = self.router_url
-                self._wait([self._spawn(p) for p in self._plans if p.role == "router"])
-                if self.settings.warm_up:
-                    self._warm_up(served, client_key)
+            for phase in start_phases(self._plans):
+                self._wait([self._spawn(p) for p in phase])
+            if self.settings.start_router and self.settings.warm_up:
+                self._warm_up(served, client_key)
         except BaseException:
             self.down()
             raise
@@ -230,8 +233,8 @@ class Stack:
             raise
         assert started.healthy_after_s is not None
         s = self.settings
-        if plan.role != "router" and s.start_router and s.warm_up:
-            if _router_admits(self.router_url, plan.name):
+        if plan.role in ("prefill", "decode") and s.start_router and s.warm_up:
+            if all(_router_admits(url, plan.name) for url in self.router_replica_urls):
                 self._warm_up(self.served_model_name)
         return started.healthy_after_s
 
@@ -254,51 +257,6 @@ class Stack:
     # --- internals -----------------------------------------------------------------------
     def _records(self) -> list[ProcessRecord]:
         return list(self.state.processes) if self.state else []
-
-    def _plan(self, model_dir: Path, served: str) -> list[InstancePlan]:
-        s = self.settings
-        logs = self.state_dir / "logs"
-        plans: list[InstancePlan] = []
-        roles: list[tuple[Role, int]] = [("prefill", i) for i in range(s.prefill)]
-        roles += [("decode", i) for i in range(s.decode)]
-        gpu_share = _gpu_share(s)
-        for index, (role, i) in enumerate(roles):
-            plans.append(
-                InstancePlan(
-                    name=f"{role}-{i}",
-                    role=role,
-                    host=s.host,
-                    port=s.vllm_port(index),
-                    log_path=logs / f"{role}-{i}.log",
-                    model_dir=model_dir,
-                    served_model_name=served,
-                    side_channel_port=s.side_channel_port(index),
-                    control_port=s.control_port(index) if s.connector == "kvtether" else None,
-                    control_secret=self._control_secret,
-                    gpu_id=s.gpu_ids[index % len(s.gpu_ids)] if s.gpu_ids else None,
-                    gpu_memory_utilization=gpu_share,
-                )
-            )
-        if s.start_router:
-            controls: dict[str, list[str]] = {"prefill": [], "decode": []}
-            for p in plans:
-                if p.control_port is not None:
-                    controls[p.role].append(f"http://{s.control_host}:{p.control_port}")
-            plans.append(
-                InstancePlan(
-                    name="router",
-                    role="router",
-                    host=s.host,
-                    port=s.port,
-                    log_path=logs / "router.log",
-                    prefill_urls=tuple(p.url for p in plans if p.role == "prefill"),
-                    decode_urls=tuple(p.url for p in plans if p.role == "decode"),
-                    prefill_control_urls=tuple(controls["prefill"]),
-                    decode_control_urls=tuple(controls["decode"]),
-                    control_secret=self._control_secret,
-                )
-            )
-        return plans
 
     def _spawn(self, plan: InstancePlan) -> Starting:
         assert self.state is not None
@@ -376,15 +334,6 @@ def _router_admits(router_url: str, name: str, timeout_s: float = 30.0) -> bool:
     return False
 
 
-def _gpu_share(settings: StackSettings) -> float | None:
-    """Each instance's --gpu-memory-utilization when several share one GPU."""
-    if settings.gpu_memory_utilization is None:
-        return None
-    gpus = max(1, len(settings.gpu_ids))
-    per_gpu = -(-settings.instance_count // gpus)  # ceil
-    return round(settings.gpu_memory_utilization / per_gpu, 3)
-
-
 def _claim_state_dir(state_dir: Path) -> None:
     state = load_state(state_dir)
     if state is None:
@@ -393,20 +342,3 @@ def _claim_state_dir(state_dir: Path) -> None:
         raise StackAlreadyRunningError(state_dir)
     logger.info("removing stale state file of a stack that is gone (%s)", state_dir)
     remove_state(state_dir)
-
-
-def _check_ports(host: str, plans: list[InstancePlan]) -> None:
-    wanted: list[tuple[int, str]] = []
-    for p in plans:
-        wanted.append((p.port, f"{p.name} HTTP"))
-        if p.side_channel_port is not None:
-            wanted.append((p.side_channel_port, f"{p.name} NIXL side channel"))
-        if p.control_port is not None:
-            wanted.append((p.control_port, f"{p.name} kvtether control"))
-    seen: dict[int, str] = {}
-    for port, purpose in wanted:
-        if port in seen:
-            raise ConfigError(f"port {port} is assigned twice ({seen[port]} and {purpose})")
-        seen[port] = purpose
-        if _procs.port_in_use(host, port):
-            raise PortInUseError(host, port, purpose)

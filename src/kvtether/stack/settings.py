@@ -27,6 +27,7 @@ from kvtether.stack.profiles import DEFAULT_PROFILE, ProfileName, profile_defaul
 
 __all__ = [
     "ConnectorKind",
+    "LOCAL_STORE",
     "StackSettings",
     "StackSettingsBase",
     "default_state_dir",
@@ -36,6 +37,10 @@ __all__ = [
 
 ConnectorKind = Literal["nixl", "kvtether"]
 ENV_PREFIX = "KVTETHER_"
+LOCAL_STORE = "local"
+MEMORY_STORE = "memory"  # the router's default: conversations in the router process
+# URLs the `redis` client opens (a Valkey server speaks the same protocol).
+STORE_URL_SCHEMES = ("redis", "rediss", "unix")
 
 
 def default_state_dir() -> Path:
@@ -93,7 +98,22 @@ class StackSettings(RetentionSettings, AccessSettings, StackSettingsBase):
         default=None, description="model name clients use (default: the prepared model's name)"
     )
     host: str = Field(default="127.0.0.1", description="interface every process binds to")
-    port: int = Field(default=8000, ge=1, le=65535, description="router port")
+    port: int = Field(
+        default=8000, ge=1, le=65535,
+        description="the stack's public port: the router's, or with --routers above 1 the "
+        "round-robin front's (replica i listens on port+1+i, a local store after them)",
+    )
+    routers: int = Field(
+        default=1, ge=1, le=16,
+        description="router replicas; above 1 a round-robin front listens on --port and "
+        "--store is required (each replica would otherwise keep its own conversations)",
+    )
+    store: str | None = Field(
+        default=None,
+        description="conversation store the routers share: 'local' (start redis-server or "
+        "valkey-server on loopback for this stack, no persistence) or a redis://host:port/db "
+        "URL; 'memory' or unset: the router keeps them itself (one router only)",
+    )
     base_port: int = Field(default=8100, ge=1, le=65535, description="vLLM instance i: base+i")
     side_channel_base_port: int = Field(
         default=5600, ge=1, le=65535, description="NIXL side channel of instance i: base+stride*i"
@@ -204,7 +224,26 @@ class StackSettings(RetentionSettings, AccessSettings, StackSettingsBase):
             if name not in self.model_fields_set:
                 self.__dict__[name] = value
         self._resolve_connector()
+        self._check_scale_out()
         return self
+
+    def _check_scale_out(self) -> None:
+        if self.store == MEMORY_STORE:
+            self.__dict__["store"] = None  # the router's own default: nothing to forward
+        if self.store is not None and self.store != LOCAL_STORE:
+            scheme = self.store.partition("://")[0].lower()
+            if "://" not in self.store or scheme not in STORE_URL_SCHEMES:
+                raise ConfigError(
+                    f"--store {self.store!r} is neither 'local', 'memory' nor a Redis/Valkey "
+                    "URL; pass --store local or --store redis://HOST:PORT/DB"
+                )
+        if self.routers > 1 and self.store is None:
+            raise ConfigError(
+                f"--routers {self.routers} needs a shared conversation store: each replica "
+                "would keep its own conversations and a turn landing on another replica would "
+                "lose its KV; add --store local (a Redis server for this stack) or --store "
+                "redis://HOST:PORT/DB"
+            )
 
     def _resolve_connector(self) -> None:
         """The baselines run what vLLM ships: reuse_policy upstream / off → connector nixl.
@@ -230,6 +269,17 @@ class StackSettings(RetentionSettings, AccessSettings, StackSettingsBase):
 
     def control_port(self, index: int) -> int:
         return self.control_base_port + index
+
+    def router_ports(self) -> list[int]:
+        """One router: --port. Several: port+1+i for replica i (the front has --port)."""
+        if self.routers == 1:
+            return [self.port]
+        return [self.port + 1 + i for i in range(self.routers)]
+
+    @property
+    def local_store_port(self) -> int:
+        """Port of the Redis server ``--store local`` starts: the first after the routers'."""
+        return self.router_ports()[-1] + 1
 
 
 def resolve_model(settings: StackSettings) -> tuple[Path, str]:

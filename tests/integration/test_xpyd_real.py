@@ -1,0 +1,78 @@
+"""xPyD on one host: 2 prefill + 2 decode vLLM instances (cpu-tiny) behind one router.
+
+8 conversations at once, 4 turns each: no turn fails, every answer is token-identical to the
+colocated reference, each conversation keeps its decode instance, new conversations land on
+both decode instances, and every turn after the first reuses KV. The spread and turn times
+(p50/p90 per turn index) are printed for the closing note (`pytest -s`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .conftest import Reference
+from .driver import TurnResult, reused, run_conversations, summary
+
+pytestmark = pytest.mark.vllm
+
+CONVERSATIONS = 8
+TURNS = 4
+# Clear of the shared stack's ports (conftest: base .. base+299, side channels base-2000..).
+_BASE = int(os.environ.get("KVTETHER_TEST_PORT_BASE", "18000")) + 300
+
+
+@pytest.fixture(scope="module")
+def xpyd_url(tmp_path_factory: pytest.TempPathFactory,
+             reference_vllm: Reference) -> Iterator[tuple[str, str]]:
+    from kvtether.stack.launcher import Stack
+    from kvtether.stack.settings import StackSettings
+
+    del reference_vllm  # started first: booting vLLM is CPU-bound
+    tmp: Path = tmp_path_factory.mktemp("xpyd")
+    settings = StackSettings(
+        profile="cpu-tiny", prefill=2, decode=2, port=_BASE, base_port=_BASE + 10,
+        side_channel_base_port=_BASE - 1700, control_base_port=_BASE + 20, state_dir=tmp,
+        lease_ttl_s=60, health_timeout_s=900,
+    )
+    with Stack(settings, die_with_parent=True) as stack:
+        report = stack.warm_up_report
+        assert report is not None and report.fired, report
+        print(f"\n2P+2D warm-up: {report.conversations} conversations, "
+              f"{len(report.outcomes)} turns, {report.seconds:.1f} s ({report.outcomes})")
+        yield stack.router_url, stack.served_model_name
+
+
+@pytest.fixture(scope="module")
+def turns(xpyd_url: tuple[str, str], reference_vllm: Reference) -> list[TurnResult]:
+    url, model = xpyd_url
+    results = run_conversations(url, reference_vllm.base_url, model,
+                                conversations=CONVERSATIONS, turns=TURNS, prefix="xpyd")
+    print("\n2P+2D, one router:\n" + summary(results))
+    return results
+
+
+def test_every_turn_answered_and_identical_to_the_reference(turns: list[TurnResult]) -> None:
+    assert [t for t in turns if t.status != 200] == []
+    assert len(turns) == CONVERSATIONS * TURNS
+    assert [t for t in turns if not t.identical] == []
+
+
+def test_each_conversation_keeps_its_decode_and_new_ones_use_both(
+    turns: list[TurnResult],
+) -> None:
+    homes: dict[str, set[str]] = {}
+    for t in turns:
+        homes.setdefault(t.conversation_id, set()).add(t.decode_instance)
+    assert all(len(h) == 1 for h in homes.values()), homes
+    spread = Counter(next(iter(h)) for h in homes.values())
+    assert set(spread) == {"decode-0", "decode-1"}, spread
+
+
+def test_every_eligible_turn_reuses_kv(turns: list[TurnResult]) -> None:
+    later = [t for t in turns if t.turn > 1]
+    assert [t for t in later if not reused(t)] == []
