@@ -232,7 +232,7 @@ class Stack:
         s = self.settings
         if plan.role != "router" and s.start_router and s.warm_up:
             if _router_admits(self.router_url, plan.name):
-                self._warm_up(self.served_model_name)
+                self._warm_up(self.served_model_name, _client_api_key(self.settings))
         return started.healthy_after_s
 
     def down(self) -> list[int]:
