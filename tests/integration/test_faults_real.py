@@ -2,7 +2,8 @@
 
 This module starts its own stack (it kills its instances), supervised as a foreground
 ``kvtether stack up`` is: a process that dies is restarted with back-off and the router takes it
-back. Leases start at a few seconds so that KV a fault orphans lapses quickly. For each fault:
+back. Leases start at a few seconds so that KV a fault orphans lapses quickly, and prefill runs
+without vLLM's prefix cache, so a turn's outcome says what it read from decode. For each fault:
 every answer given is token-identical to the colocated reference, at most the turn in flight
 fails, with a 5xx JSON error the OpenAI SDK retries (502/503), the router serves the next turn,
 and once leases lapse no instance holds KV (connector lease totals and vLLM's
