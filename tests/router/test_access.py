@@ -240,6 +240,20 @@ async def test_router_sends_the_control_secret(stream: bool) -> None:
         assert h.d.releases and not h.d.held_leases()
 
 
+async def test_the_lease_check_at_handoff_sends_the_control_secret() -> None:
+    """A lease longer than --handoff-lease-s is checked, not renewed, before its handle goes
+    to prefill: without the secret the check cannot see that D dropped the KV."""
+    async with make_router(control=True, fake={"control_secret": "cs"}, control_secret="cs",
+                           lease_ttl_s=300, handoff_lease_s=60) as h:
+        a = h.conversation("c")
+        await a.say("one")
+        (held,) = h.d.held_leases()
+        held.end("expired")  # behind the router's back
+        t = await a.say("two")
+        assert t.status == 200 and t.outcome == "miss:lease_expired"
+        assert h.p.prefill_handles[-1] is None
+
+
 async def test_a_wrong_control_secret_is_logged_and_no_turn_fails(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

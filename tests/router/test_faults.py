@@ -108,3 +108,19 @@ async def test_no_prefill_leg_while_every_decode_instance_is_down() -> None:
         h.d.down = False
         await h.client.get("/health")  # the health probe takes it back
         assert (await a.say("two")).status == 200
+
+
+async def test_prefill_down_mid_conversation_keeps_decode_kv_for_the_retry() -> None:
+    """A prefill instance that refuses the connection fails the turn (502) before the router
+    decides about the conversation's KV: decode keeps it, and the retry reads it."""
+    async with make_router(control=True) as h:
+        a = h.conversation("pdown")
+        await a.say("one")
+        h.p.down = True
+        t = await h.chat(a.messages + [{"role": "user", "content": "two"}], "pdown")
+        assert t.status == 502 and t.body["error"]["code"] == "upstream_unavailable"
+        assert len(h.d.held_leases()) == 1 and h.d.releases == []
+        h.p.down = False
+        await h.client.get("/health")  # the health probe takes it back
+        assert (await a.say("two")).outcome == "fired"
+        h.assert_kv_correct()

@@ -102,10 +102,11 @@ class LeaseClient:
             return RenewStatus.UNSUPPORTED
         try:
             r = await decode.client.get(f"{decode.control_url}{_PREFIX}/leases/{key}",
-                                        timeout=self._timeout_s)
+                                        headers=self._headers, timeout=self._timeout_s)
         except httpx.HTTPError as exc:
             logger.warning("lease check on %s failed: %r", decode.name, exc)
             return RenewStatus.UNREACHABLE
+        _check_refused(decode, r)
         if r.status_code in (404, 410):
             return RenewStatus.GONE
         if r.status_code != 200:

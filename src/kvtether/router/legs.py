@@ -57,7 +57,11 @@ class PrefillResult:
 async def tokenize(
     prefill: Backend, endpoint: str, body: dict[str, Any]
 ) -> list[int] | None:
-    """The new prompt's token ids, exactly as the prefill instance will see them."""
+    """The new prompt's token ids, exactly as the prefill instance will see them.
+
+    An unreachable prefill instance fails the turn here (502), before the router decides
+    anything about the conversation's retained KV: decode keeps it for the retry.
+    """
     # By endpoint, as vLLM reads the body: /v1/completions uses `prompt` even when the body
     # also has `messages` (tokenizing those would check the wrong prompt against D's KV).
     if not endpoint.endswith("/chat/completions"):
@@ -74,7 +78,10 @@ async def tokenize(
         r = await prefill.client.post("/tokenize", json=tok_body)
     except httpx.HTTPError as exc:
         note_failure(prefill, exc)
-        return None
+        raise RouterHTTPError(
+            502, f"prefill instance {prefill.name} failed: {failure_kind(exc)}",
+            code="upstream_unavailable",
+        ) from None
     if r.status_code != 200:
         # The prefill leg will meet the same problem and report it to the client.
         return None

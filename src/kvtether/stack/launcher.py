@@ -235,7 +235,7 @@ class Stack:
         s = self.settings
         if plan.role in ("prefill", "decode") and s.start_router and s.warm_up:
             if all(_router_admits(url, plan.name) for url in self.router_replica_urls):
-                self._warm_up(self.served_model_name)
+                self._warm_up(self.served_model_name, _client_api_key(self.settings))
         return started.healthy_after_s
 
     def down(self) -> list[int]:
