@@ -215,3 +215,15 @@ def test_failed_read_recomputes_instead_of_waiting_forever(tmp_path: Path) -> No
     assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert h.outputs["p-1"]["kvtether_pull"] == "failed"
     assert h.outputs["p-1"]["kvtether_reused_tokens"] == 0
+
+
+def test_prefill_exports_how_long_it_holds_a_new_turn_s_kv(tmp_path: Path) -> None:
+    # Upstream exports a deadline only with decode-held KV; prefill's lets decode decline a
+    # read that comes after prefill may have freed the blocks (see test_late_read.py).
+    h = Harness(tmp_path, extra={"kv_lease_duration": 120})
+    before = time.perf_counter()
+    h.add("p-0", list(range(10, 22)), {"do_remote_decode": True})
+    for _ in range(3):
+        h.step()
+    expiry = h.outputs["p-0"]["remote_blocks_expiry_time"]
+    assert before + 120 <= expiry <= time.perf_counter() + 120  # prefill's own hold

@@ -34,6 +34,8 @@ pytestmark = pytest.mark.vllm
 
 # Above the router's lease_safety_margin_s (6 s): a shorter lease is never forwarded at all.
 LEASE_TTL_S = 10.0
+# How long prefill holds a new turn's KV for decode's read (vLLM's kv_lease_duration).
+PREFILL_KV_LEASE_S = 30
 SYSTEM = "you are a helpful agent. use the tools. " * 6
 TOOL_RESULT = "ok tests run result found file path value true " * 2
 # Long enough to be caught mid-answer even on an idle machine (the tiny model writes hundreds of
@@ -91,6 +93,8 @@ def faults(tmp_path_factory: pytest.TempPathFactory, reference_vllm: Reference
         # a lost read would be served from there (and counted `fired`), so each fault's
         # outcome would depend on what prefill happened to still cache.
         prefill_prefix_caching=False,
+        # vLLM's own default (CPU profiles hold 120 s): a late read needs a shorter wait.
+        prefill_kv_lease_s=PREFILL_KV_LEASE_S,
     )
     stop = threading.Event()
     with Stack(settings, die_with_parent=True) as stack:
@@ -337,6 +341,41 @@ def test_lease_released_while_its_turn_is_in_flight(faults: FaultStack, referenc
 _UNREGISTERED_BLOCK_ID = 2**30
 
 
+def test_a_late_read_of_prefill_kv_is_declined(faults: FaultStack, reference_vllm: Reference):
+    """Decode reads a new turn's KV from prefill only while prefill still holds it.
+
+    The two legs by hand, as the router runs them, with decode's leg sent after prefill's hold
+    has passed (what a decode engine stalled for minutes does) and prefill's freed blocks
+    refilled by other prompts: decode declines the read and recomputes, identical output.
+    """
+    from kvtether.router.legs import _FRESH_PREFILL_PARAMS
+
+    c = Conv(faults, reference_vllm)
+    want = c.reference()
+    p_url, d_url = faults.urls["prefill-0"], faults.urls["decode-0"]
+    leg = {**c.body(), "max_tokens": 1, "kv_transfer_params": dict(_FRESH_PREFILL_PARAMS)}
+    r = httpx.post(f"{p_url}/v1/chat/completions", json=leg, timeout=600)
+    assert r.status_code == 200, r.text
+    handle = r.json()["kv_transfer_params"]
+    expiry = handle["remote_blocks_expiry_time"]  # prefill's perf_counter: one host, one clock
+    assert expiry is not None, handle
+    # Prefill frees the blocks at its deadline; other prompts take them over.
+    while time.perf_counter() < expiry + 1:
+        filler = {**c.body(), "messages": [{"role": "user", "content": uuid.uuid4().hex * 8}]}
+        httpx.post(f"{p_url}/v1/chat/completions", json=filler, timeout=600)
+        time.sleep(1.0)
+    d_log_before = len(faults.log("decode-0"))
+    r = httpx.post(f"{d_url}/v1/chat/completions",
+                   json={**c.body(), "kv_transfer_params": handle}, timeout=600)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == want, "decode read freed blocks"
+    assert "Declining expired remote read" in faults.log("decode-0")[d_log_before:]
+    print(f"\nlate read ({time.perf_counter() - expiry:.0f} s past prefill's hold): declined, "
+          "recomputed on decode, identical")
+    # What decode retained for this turn has no router to release it: its lease lapses.
+    assert_nothing_held(faults)
+
+
 def _tampering_router(fs: FaultStack, tamper: threading.Event):
     """An in-process router over the stack's instances whose prefill legs, while ``tamper`` is
     set, carry decode's handle with its block ids moved outside decode's registered KV region:
@@ -456,7 +495,7 @@ def test_decode_killed_mid_turn(faults: FaultStack, reference_vllm: Reference):
     print(f"decode back (healthy {faults.restart_times_s('decode-0')} s after its restart): "
           f"next turn {outcome}, then {c.turn()}")
     # KV prefill computed for a reader that never came goes when vLLM's prefill lease
-    # (kv_lease_duration, 120 s on CPU profiles) lapses.
+    # (kv_lease_duration: PREFILL_KV_LEASE_S here, 120 s on CPU profiles) lapses.
     print(f"  held then: {held(faults)}; all KV freed "
-          f"{assert_nothing_held(faults, within_s=150):.0f} s after")
+          f"{assert_nothing_held(faults, within_s=PREFILL_KV_LEASE_S + 30):.0f} s after")
     assert sum(line.endswith("restarting it") for line in faults.say) >= 3, faults.say

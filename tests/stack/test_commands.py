@@ -75,6 +75,19 @@ def test_kvtether_connector_is_the_default() -> None:
     assert cmd.env["KVTETHER_CONTROL_PORT"] == "5900"
 
 
+def test_prefill_kv_lease_sets_how_long_prefill_holds_a_new_turn_s_kv() -> None:
+    def lease(**kw: object) -> object:
+        cmd = VllmCommands().command(_plan(), StackSettings(**kw))  # type: ignore[arg-type]
+        extra = json.loads(_flag(cmd.argv, "--kv-transfer-config"))["kv_connector_extra_config"]
+        return extra.get("kv_lease_duration")
+
+    assert lease() == 120  # CPU profiles
+    assert lease(prefill_kv_lease_s=30) == 30
+    assert lease(profile="gpu") is None  # vLLM's own (30 s)
+    with pytest.raises(ValueError, match="prefill_kv_lease_s"):
+        StackSettings(prefill_kv_lease_s=2)
+
+
 def test_reference_has_no_transfer_and_no_prefix_cache() -> None:
     cmd = VllmCommands().command(_plan("reference", side_channel_port=None), StackSettings())
     assert "--no-enable-prefix-caching" in cmd.argv

@@ -13,7 +13,8 @@ vLLM's factory imports ``kv_connector_module_path`` and takes the class named
 ``kv_connector`` from it; the class keeps upstream's name because vLLM checks for
 ``"NixlConnector"`` by name (``config/vllm.py``, ``platforms/cpu.py``).
 
-Only the scheduler side changes; workers run upstream code. The flow on decode (D):
+The scheduler side does the work; workers run upstream code, except that decode's worker
+credits its heartbeats when it checks prefill's deadline (below). The flow on decode (D):
 
 * ``request_finished``: upstream delays freeing the blocks of a finished turn and puts
   ``request_id -> perf_counter() + decoder_kv_blocks_ttl`` into ``_reqs_need_send``. kvtether
@@ -32,7 +33,9 @@ Only the scheduler side changes; workers run upstream code. The flow on decode (
 
 On prefill (P), ``get_num_new_matched_tokens`` checks a decode handle's block hashes against
 the prompt and cuts the handle to the matching whole-block prefix before upstream code reads
-it; P's response ``kv_transfer_params`` report what happened (``kvtether_pull``, ...).
+it; P's response ``kv_transfer_params`` report what happened (``kvtether_pull``, ...), and
+carry P's own deadline for the new turn's KV (``remote_blocks_expiry_time``, which upstream
+sets only on D's handles), so that D declines a read that comes after P may have freed it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ import logging
 import math
 import time
 from typing import TYPE_CHECKING, Any
+
+from cachetools import TTLCache
 
 from kvtether.connector._compat import check_vllm_version
 
@@ -251,6 +256,12 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
             if out is not None and record is not None:
                 out.update(record.as_params())
                 self._count_pull(record)
+            if delay and out is not None and out.get("remote_blocks_expiry_time") is None:
+                # Upstream exports a deadline only with decode-held KV. With prefill's too,
+                # decode declines a read that comes after prefill may have freed the blocks
+                # (a decode engine stalled past kv_lease_duration sends no heartbeats), and
+                # recomputes, instead of reading whatever fills them by then.
+                out["remote_blocks_expiry_time"] = self._reqs_need_send.get(request.request_id)
             return delay, out
         if not delay or out is None:
             if key:
@@ -335,7 +346,8 @@ class NixlConnector(NixlPullConnector):
 
 
 class KVTetherWorker(NixlPullConnectorWorker):
-    """Upstream's pull worker, built with the idle settings of :mod:`._quiet` when asked."""
+    """Upstream's pull worker, built with the idle settings of :mod:`._quiet` when asked, that
+    also declines decode's late read of prefill's KV (see :meth:`_is_turn2_read_expired`)."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig):
         assert vllm_config.kv_transfer_config is not None
@@ -345,6 +357,44 @@ class KVTetherWorker(NixlPullConnectorWorker):
         with progress_thread_delay(NixlWrapper, settings.progress_thread_delay_us):
             super().__init__(vllm_config, engine_id, kv_cache_config)
         shorten_rpc_spin(settings.rpc_busy_loop_s)
+        # Prefill-side request id -> the heartbeats this worker sent prefill for it (only
+        # decode sends them, for a new turn's KV waiting on prefill; upstream sends none for
+        # bidirectional reads): (first sent, last sent, none more than an extension apart).
+        self._heartbeats: TTLCache[str, tuple[float, float, bool]] = TTLCache(
+            maxsize=65536, ttl=max(1.0, float(self._lease_extension))
+        )
+
+    def _send_heartbeats(self, metadata: Any) -> None:
+        super()._send_heartbeats(metadata)
+        now = time.perf_counter()
+        gap_s = self._lease_extension - _KV_BLOCKS_EXPIRY_SAFETY_MARGIN
+        for engine_id, hb in metadata.heartbeat_by_engine.items():
+            if engine_id not in self._remote_agents:  # not sent: waiting for a handshake
+                continue
+            for rid in hb.req_ids:
+                prev = self._heartbeats.get(rid)
+                self._heartbeats[rid] = ((now, now, True) if prev is None
+                                         else (prev[0], now, prev[2] and now - prev[1] < gap_s))
+
+    def _is_turn2_read_expired(self, meta: Any) -> bool:
+        """Upstream's check, which prefill's exported deadline now also reaches for decode's
+        read of a new turn, credited with the heartbeats this worker sent.
+
+        A heartbeat extends prefill's hold to its arrival + ``kv_lease_duration * 2/3`` only
+        if prefill still held the blocks then: credited when the first was sent before the
+        exported deadline and none came later than an extension after the one before.
+        """
+        beats = self._heartbeats.pop(meta.remote.request_id, None)
+        if not super()._is_turn2_read_expired(meta):
+            return False
+        if beats is None:
+            return True
+        first, last, unbroken = beats
+        margin = _KV_BLOCKS_EXPIRY_SAFETY_MARGIN
+        deadline = meta.remote.blocks_expiry_time - self._engine_clock_offset[meta.remote.engine_id]
+        if not unbroken or first + margin >= deadline:
+            return True
+        return time.perf_counter() + margin >= last + self._lease_extension
 
 
 def _is_decode_handle(params: dict[str, Any] | None) -> bool:

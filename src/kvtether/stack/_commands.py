@@ -86,9 +86,12 @@ def kv_transfer_config(plan: InstancePlan, settings: StackSettings) -> dict[str,
         "kv_recompute_threshold": settings.kv_recompute_threshold_tokens,
         "decoder_kv_blocks_ttl": _number(settings.decoder_kv_blocks_ttl_s),
     }
-    if settings.device == "cpu":
+    if settings.prefill_kv_lease_s is not None:
+        extra["kv_lease_duration"] = settings.prefill_kv_lease_s
+    elif settings.device == "cpu":
         # P holds a turn's KV until D reads it, under upstream's 30 s lease; a slow first
-        # NIXL handshake on a busy CPU box can outlast that, and D would read freed blocks.
+        # NIXL handshake on a busy CPU box can outlast that (D then declines the read and
+        # recomputes: kvtether's prefill exports the deadline).
         extra["kv_lease_duration"] = 120
     config: dict[str, Any] = {"kv_connector": "NixlConnector"}
     if settings.connector == "kvtether":

@@ -166,6 +166,11 @@ class StackSettings(RetentionSettings, AccessSettings, StackSettingsBase):
     kv_load_failure_policy: Literal["recompute", "fail"] = Field(
         default="recompute", description="what vLLM does when a KV read fails"
     )
+    prefill_kv_lease_s: int | None = Field(
+        default=None, ge=6, description="how long prefill holds a new turn's KV for decode's "
+        "read, extended by decode's heartbeats while the turn waits (vLLM's kv_lease_duration); "
+        "none = 120 s on CPU, vLLM's 30 s on GPU. Decode declines a later read and recomputes"
+    )
     idle_tick_s: float = Field(
         default=5.0, gt=0, description="a sleeping engine steps this often while it holds KV "
         "(frees blocks a reader has finished with)"
