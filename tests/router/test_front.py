@@ -6,13 +6,11 @@ import contextlib
 import json
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -20,6 +18,7 @@ from starlette.routing import Route
 
 from kvtether import protocol as p
 from kvtether.router.front import FrontSettings, create_front_app
+from tests.integration.conftest import serve_app
 
 # A fake replica holds its second SSE chunk until the test has read the first; if the front
 # buffered the answer the test would never get there, and the replica gives up after this.
@@ -72,20 +71,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@contextlib.contextmanager
-def _serve(app: Any) -> Iterator[str]:
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            assert thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+def _serve(app: Any) -> contextlib.AbstractContextManager[str]:
+    return serve_app(lambda port: app)
 
 
 @contextlib.contextmanager
