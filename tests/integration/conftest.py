@@ -104,6 +104,44 @@ def pd_stack(
 
 
 @contextlib.contextmanager
+def supervised(stack: Any) -> Iterator[list[str]]:
+    """Supervise ``stack`` as a foreground ``kvtether stack up`` does (a process that dies is
+    restarted with back-off); yields what the supervisor says, as it says it."""
+    said: list[str] = []
+    stop = threading.Event()
+    thread = threading.Thread(target=stack.supervise, daemon=True,
+                              kwargs={"stop": stop, "say": said.append})
+    thread.start()
+    try:
+        yield said
+    finally:
+        stop.set()
+        thread.join(120)
+
+
+# What an instance log says when something went wrong (vLLM's errors, an engine step that did
+# not end, a process the supervisor restarted).
+_TROUBLE = ("ERROR", "Traceback", "engine step", "No available shared memory",
+            "RPC call to", "EngineDeadError", "NIXL transfer failure")
+
+
+def trouble_in_logs(stack: Any, max_lines: int = 60) -> str:
+    """The lines of each of ``stack``'s logs that say something went wrong (for a failing
+    test's output: the logs themselves stay in a temporary directory nobody reads in CI)."""
+    out = []
+    for record in stack.state.processes:
+        try:
+            lines = record.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        bad = [line[:400] for line in lines if any(t in line for t in _TROUBLE)]
+        if bad:
+            out.append(f"--- {record.name} ({len(bad)} lines, last {max_lines})")
+            out.extend(bad[-max_lines:])
+    return "\n".join(out)
+
+
+@contextlib.contextmanager
 def serve_app(make_app: Callable[[int], Any]) -> Iterator[str]:
     """Run the ASGI app ``make_app(port)`` on a free loopback port in a thread; yield its URL."""
     import uvicorn

@@ -17,10 +17,11 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,7 @@ import httpx
 import pytest
 
 from kvtether import protocol as p
-from tests.integration.conftest import _PORT_BASE, Reference, serve_app
+from tests.integration.conftest import _PORT_BASE, Reference, serve_app, supervised
 
 pytestmark = pytest.mark.vllm
 
@@ -96,8 +97,7 @@ def faults(tmp_path_factory: pytest.TempPathFactory, reference_vllm: Reference
         # vLLM's own default (CPU profiles hold 120 s): a late read needs a shorter wait.
         prefill_kv_lease_s=PREFILL_KV_LEASE_S,
     )
-    stop = threading.Event()
-    with Stack(settings, die_with_parent=True) as stack:
+    with Stack(settings, die_with_parent=True) as stack, supervised(stack) as said:
         names = [r.name for r in stack.state.processes if r.role != "router"]
         fs = FaultStack(
             router_url=stack.router_url, model=stack.served_model_name,
@@ -106,15 +106,9 @@ def faults(tmp_path_factory: pytest.TempPathFactory, reference_vllm: Reference
                       for i, n in enumerate(names)},
             control_secret=stack.control_secret,
             stack=stack,
+            say=said,
         )
-        supervisor = threading.Thread(target=stack.supervise, daemon=True,
-                                      kwargs={"stop": stop, "say": fs.say.append})
-        supervisor.start()
-        try:
-            yield fs
-        finally:
-            stop.set()
-            supervisor.join(120)
+        yield fs
     print("\nsupervisor:\n  " + "\n  ".join(fs.say))
 
 
@@ -376,11 +370,10 @@ def test_a_late_read_of_prefill_kv_is_declined(faults: FaultStack, reference_vll
     assert_nothing_held(faults)
 
 
-def _tampering_router(fs: FaultStack, tamper: threading.Event):
+def _tampering_router(fs: FaultStack, tamper: threading.Event,
+                      rewrite: Callable[[dict[str, Any]], None]):
     """An in-process router over the stack's instances whose prefill legs, while ``tamper`` is
-    set, carry decode's handle with its block ids moved outside decode's registered KV region:
-    prefill's NIXL read of them fails for real (descriptor preparation), and vLLM's failure
-    path (``failed_recving``, ``kv_load_failure_policy: recompute``) runs."""
+    set, carry decode's handle as ``rewrite`` changes it (in place)."""
     from kvtether.router import RouterSettings, create_app
 
     class Tamper(httpx.AsyncHTTPTransport):
@@ -389,9 +382,7 @@ def _tampering_router(fs: FaultStack, tamper: threading.Event):
                 body = json.loads(request.content)
                 kvp = body.get("kv_transfer_params") or {}
                 if kvp.get("do_remote_decode") and kvp.get("remote_block_ids"):
-                    kvp["remote_block_ids"] = [
-                        [_UNREGISTERED_BLOCK_ID + i for i in range(len(group))]
-                        for group in kvp["remote_block_ids"]]
+                    rewrite(kvp)
                     headers = {k: v for k, v in request.headers.items()
                                if k.lower() not in ("content-length", "content-type")}
                     request = httpx.Request(request.method, request.url, json=body,
@@ -415,10 +406,28 @@ def _tampering_router(fs: FaultStack, tamper: threading.Event):
     return serve_app(make_app)
 
 
+def _unregistered_blocks(kvp: dict[str, Any]) -> None:
+    """Decode's block ids moved outside its registered KV region: prefill's NIXL read of them
+    fails for real (descriptor preparation), and vLLM's failure path (``failed_recving``,
+    ``kv_load_failure_policy: recompute``) runs."""
+    kvp["remote_block_ids"] = [[_UNREGISTERED_BLOCK_ID + i for i in range(len(group))]
+                               for group in kvp["remote_block_ids"]]
+
+
+def _unreachable_side_channel(kvp: dict[str, Any]) -> None:
+    """Decode's handle names an engine prefill has not met, behind a side-channel port nobody
+    answers: prefill's NIXL handshake times out (vLLM's 5 s zmq limit), as it does when a
+    starved decode engine answers late."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        kvp["remote_port"] = s.getsockname()[1]
+    kvp["remote_engine_id"] = f"unmet-{uuid.uuid4().hex[:8]}"
+
+
 def test_nixl_read_failure(faults: FaultStack, reference_vllm: Reference):
     tamper = threading.Event()
     prefill = next(n for n in faults.urls if n.startswith("prefill"))
-    with _tampering_router(faults, tamper) as url:
+    with _tampering_router(faults, tamper, _unregistered_blocks) as url:
         c = Conv(faults, reference_vllm, router_url=url)
         c.turn()
         pulls_failed = faults.control(prefill, "status")["counters"].get("pulls_failed", 0)
@@ -437,6 +446,26 @@ def test_nixl_read_failure(faults: FaultStack, reference_vllm: Reference):
         after = c.turn()  # the next turn reads again (identical)
         assert after == "fired", after
     print(f"\nNIXL read failure: {outcome} ({reused} tokens reused); next turn {after}")
+    print(f"  KV freed {assert_nothing_held(faults):.1f} s after")
+
+
+def test_nixl_handshake_failure(faults: FaultStack, reference_vllm: Reference):
+    tamper = threading.Event()
+    prefill = next(n for n in faults.urls if n.startswith("prefill"))
+    with _tampering_router(faults, tamper, _unreachable_side_channel) as url:
+        c = Conv(faults, reference_vllm, router_url=url)
+        c.turn()
+        failures = faults.log(prefill).count("handshake_failed")
+        tamper.set()
+        t0 = time.perf_counter()
+        outcome = c.turn()  # P cannot reach "decode" to read its KV: it recomputes
+        seconds = time.perf_counter() - t0
+        tamper.clear()
+        assert faults.log(prefill).count("handshake_failed") > failures
+        assert outcome == "miss:transfer_failed", outcome
+        after = c.turn()  # the real handle again: read
+        assert after == "fired", after
+    print(f"\nNIXL handshake failure: {outcome} in {seconds:.1f} s; next turn {after}")
     print(f"  KV freed {assert_nothing_held(faults):.1f} s after")
 
 

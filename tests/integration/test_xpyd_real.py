@@ -12,10 +12,11 @@ import os
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from .conftest import Reference
+from .conftest import Reference, supervised, trouble_in_logs
 from .driver import TurnResult, reused, run_conversations, summary
 
 pytestmark = pytest.mark.vllm
@@ -27,8 +28,7 @@ _BASE = int(os.environ.get("KVTETHER_TEST_PORT_BASE", "18000")) + 300
 
 
 @pytest.fixture(scope="module")
-def xpyd_url(tmp_path_factory: pytest.TempPathFactory,
-             reference_vllm: Reference) -> Iterator[tuple[str, str]]:
+def xpyd(tmp_path_factory: pytest.TempPathFactory, reference_vllm: Reference) -> Iterator[Any]:
     from kvtether.stack.launcher import Stack
     from kvtether.stack.settings import StackSettings
 
@@ -39,20 +39,26 @@ def xpyd_url(tmp_path_factory: pytest.TempPathFactory,
         side_channel_base_port=_BASE - 1700, control_base_port=_BASE + 20, state_dir=tmp,
         lease_ttl_s=60, health_timeout_s=900,
     )
-    with Stack(settings, die_with_parent=True) as stack:
+    # Supervised, as a foreground `stack up` is: an instance that dies is restarted, and the
+    # router sends its turns to the other prefill instance meanwhile.
+    with Stack(settings, die_with_parent=True) as stack, supervised(stack) as said:
         report = stack.warm_up_report
-        assert report is not None and report.fired, report
+        assert report is not None and report.fired, (report, trouble_in_logs(stack))
         print(f"\n2P+2D warm-up: {report.conversations} conversations, "
               f"{len(report.outcomes)} turns, {report.seconds:.1f} s ({report.outcomes})")
-        yield stack.router_url, stack.served_model_name
+        yield stack
+        if said:
+            print("supervisor:\n  " + "\n  ".join(said))
 
 
 @pytest.fixture(scope="module")
-def turns(xpyd_url: tuple[str, str], reference_vllm: Reference) -> list[TurnResult]:
-    url, model = xpyd_url
-    results = run_conversations(url, reference_vllm.base_url, model,
-                                conversations=CONVERSATIONS, turns=TURNS, prefix="xpyd")
+def turns(xpyd: Any, reference_vllm: Reference) -> list[TurnResult]:
+    results = run_conversations(xpyd.router_url, reference_vllm.base_url,
+                                xpyd.served_model_name, conversations=CONVERSATIONS,
+                                turns=TURNS, prefix="xpyd")
     print("\n2P+2D, one router:\n" + summary(results))
+    if any(t.status != 200 or not t.identical for t in results):
+        print("what the instance logs say:\n" + trouble_in_logs(xpyd))
     return results
 
 

@@ -124,3 +124,74 @@ async def test_prefill_down_mid_conversation_keeps_decode_kv_for_the_retry() -> 
         await h.client.get("/health")  # the health probe takes it back
         assert (await a.say("two")).outcome == "fired"
         h.assert_kv_correct()
+
+
+def _down_after_tokenize(h, instances) -> list[str]:  # noqa: ANN001
+    """Once one of ``instances`` has answered a /tokenize call, all of them refuse every
+    connection: the turn's prefill leg is the first request refused (they died between the
+    two). Returns the hosts that tokenized before going down."""
+    inner = h.transport.handle_async_request
+    tokenized: list[str] = []
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        r = await inner(request)
+        if request.url.path == "/tokenize" and request.url.host in {i.host for i in instances}:
+            tokenized.append(request.url.host)
+            for inst in instances:
+                inst.down = True
+        return r
+
+    h.transport.handle_async_request = handle
+    return tokenized
+
+
+async def test_a_prefill_instance_that_refuses_is_skipped_for_another() -> None:
+    """2P: with one prefill instance gone, every turn goes to the other; nothing fails and the
+    conversation's KV is still read from decode (any prefill instance can read it)."""
+    async with make_router(control=True, n_prefill=2) as h:
+        a = h.conversation("pskip")
+        await a.say("one")
+        h.prefill[0].down = True
+        h.prefill[1].requests.clear()
+        for text in ("two", "three", "four"):
+            t = await a.say(text)
+            assert t.outcome == "fired", t.outcome
+        assert len(h.prefill[1].prefill_requests) == 3
+        h.assert_kv_correct()
+
+
+async def test_a_prefill_leg_refused_after_tokenize_goes_to_the_other_instance() -> None:
+    async with make_router(control=True, n_prefill=2) as h:
+        a = h.conversation("pleg")
+        await a.say("one")
+        tokenized = _down_after_tokenize(h, h.prefill[:1])
+        h.prefill[0].requests.clear()
+        h.prefill[1].requests.clear()
+        # Picks alternate: prefill-0 tokenizes one of these turns and dies right after; that
+        # turn's leg goes to prefill-1.
+        for text in ("two", "three"):
+            t = await a.say(text)
+            assert t.outcome == "fired", t.outcome
+        assert tokenized == [h.prefill[0].host]
+        assert h.prefill[0].prefill_requests == []
+        assert len(h.prefill[1].prefill_requests) == 2
+        assert len(h.d.held_leases()) == 1  # each handle read once, the last turn's held
+        h.assert_kv_correct()
+
+
+async def test_every_prefill_instance_refusing_keeps_decode_kv_for_the_retry() -> None:
+    async with make_router(control=True, n_prefill=2) as h:
+        a = h.conversation("pall")
+        await a.say("one")
+        _down_after_tokenize(h, h.prefill)  # the handle is taken for the leg, then refused
+        t = await h.chat(a.messages + [{"role": "user", "content": "two"}], "pall")
+        assert t.status == 502 and t.body["error"]["code"] == "upstream_unavailable"
+        assert "connection refused" in t.body["error"]["message"]
+        assert len(h.d.held_leases()) == 1 and h.d.releases == []  # unread: still held
+        h.transport.handle_async_request = type(h.transport).handle_async_request.__get__(
+            h.transport)
+        for inst in h.prefill:
+            inst.down = False
+        await h.client.get("/health")  # the health probe takes them back
+        assert (await a.say("two")).outcome == "fired"
+        h.assert_kv_correct()

@@ -96,6 +96,12 @@ class ConnectorSettings(BaseModel):
         description="Worker: spin at most this long on vLLM's shared-memory RPC queue before "
         "blocking (vLLM: 1 s); none = vLLM's default.",
     )
+    stall_report_s: float | None = Field(
+        default=60.0, gt=0, allow_inf_nan=False, alias="kvtether_stall_report_s",
+        description="Worker: log every thread's stack when one engine step has run this long "
+        "(where a hung worker is, before vLLM's 300 s execute_model timeout ends the engine); "
+        "none = off.",
+    )
     role: str | None = Field(default=None, alias="kvtether_role", description="Informational.")
 
     @model_validator(mode="after")

@@ -76,6 +76,7 @@ from kvtether.connector._prefix import (  # noqa: E402
     truncate_handle,
 )
 from kvtether.connector._settings import ConnectorSettings  # noqa: E402
+from kvtether.connector._stall import StepWatch  # noqa: E402
 from kvtether.errors import ConfigError  # noqa: E402
 from kvtether.protocol import (  # noqa: E402
     KV_PARAM_HANDLE_KEY,
@@ -344,10 +345,17 @@ class NixlConnector(NixlPullConnector):
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = KVTetherWorker(vllm_config, self.engine_id, kv_cache_config)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        # Every step binds its metadata first and asks for finished transfers last.
+        if isinstance(self.connector_worker, KVTetherWorker):
+            self.connector_worker.step_began()
+        super().bind_connector_metadata(connector_metadata)
+
 
 class KVTetherWorker(NixlPullConnectorWorker):
     """Upstream's pull worker, built with the idle settings of :mod:`._quiet` when asked, that
-    also declines decode's late read of prefill's KV (see :meth:`_is_turn2_read_expired`)."""
+    also declines decode's late read of prefill's KV (see :meth:`_is_turn2_read_expired`) and
+    reports a step that does not end (:mod:`._stall`)."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig):
         assert vllm_config.kv_transfer_config is not None
@@ -363,6 +371,21 @@ class KVTetherWorker(NixlPullConnectorWorker):
         self._heartbeats: TTLCache[str, tuple[float, float, bool]] = TTLCache(
             maxsize=65536, ttl=max(1.0, float(self._lease_extension))
         )
+        # A step that does not end is logged with every thread's stack (see ._stall).
+        self._step_watch = (None if settings.stall_report_s is None
+                            else StepWatch(settings.stall_report_s))
+
+    def step_began(self) -> None:
+        """The engine sent this worker a step (before its forward pass)."""
+        if self._step_watch is not None:
+            self._step_watch.begin()
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        try:
+            return super().get_finished()
+        finally:
+            if self._step_watch is not None:
+                self._step_watch.end()
 
     def _send_heartbeats(self, metadata: Any) -> None:
         super()._send_heartbeats(metadata)

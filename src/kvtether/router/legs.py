@@ -21,7 +21,8 @@ from kvtether.router.backends import Backend, BackendPool
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "PrefillResult", "failure_kind", "json_or_502", "note_failure", "open_decode", "prefill",
+    "PrefillRefused", "PrefillResult", "failure_kind", "json_or_502", "note_failure",
+    "open_decode", "prefill",
     "prompt_ids", "tokenize",
 ]
 
@@ -39,6 +40,24 @@ _NOT_FOR_PREFILL = ("stream", "stream_options", "max_completion_tokens", "min_to
 # Chat fields /tokenize needs to render the prompt exactly as the prefill leg will.
 _TOKENIZE_CHAT_KEYS = ("model", "messages", "tools", "chat_template", "chat_template_kwargs",
                        "add_generation_prompt", "continue_final_message", "add_special_tokens")
+
+
+class PrefillRefused(RouterHTTPError):
+    """A prefill instance refused the connection: nothing reached it, so the turn may go to
+    another prefill instance (any of them can read the conversation's KV from decode)."""
+
+    def __init__(self, backend: Backend) -> None:
+        super().__init__(502, f"prefill instance {backend.name} failed: connection refused",
+                         code="upstream_unavailable")
+        self.backend = backend
+
+
+def _prefill_failed(backend: Backend, exc: httpx.HTTPError) -> RouterHTTPError:
+    note_failure(backend, exc)
+    if isinstance(exc, httpx.ConnectError):
+        return PrefillRefused(backend)
+    return RouterHTTPError(502, f"prefill instance {backend.name} failed: {failure_kind(exc)}",
+                           code="upstream_unavailable")
 
 
 @dataclass(frozen=True)
@@ -59,8 +78,9 @@ async def tokenize(
 ) -> list[int] | None:
     """The new prompt's token ids, exactly as the prefill instance will see them.
 
-    An unreachable prefill instance fails the turn here (502), before the router decides
-    anything about the conversation's retained KV: decode keeps it for the retry.
+    An unreachable prefill instance fails here (502; :class:`PrefillRefused` when it refused
+    the connection), before the router decides anything about the conversation's retained
+    KV: decode keeps it for the retry.
     """
     # By endpoint, as vLLM reads the body: /v1/completions uses `prompt` even when the body
     # also has `messages` (tokenizing those would check the wrong prompt against D's KV).
@@ -77,11 +97,7 @@ async def tokenize(
     try:
         r = await prefill.client.post("/tokenize", json=tok_body)
     except httpx.HTTPError as exc:
-        note_failure(prefill, exc)
-        raise RouterHTTPError(
-            502, f"prefill instance {prefill.name} failed: {failure_kind(exc)}",
-            code="upstream_unavailable",
-        ) from None
+        raise _prefill_failed(prefill, exc) from None
     if r.status_code != 200:
         # The prefill leg will meet the same problem and report it to the client.
         return None
@@ -103,11 +119,7 @@ async def prefill(
             endpoint, json=leg_body, headers={"X-Request-Id": request_id}
         )
     except httpx.HTTPError as exc:
-        note_failure(backend, exc)
-        raise RouterHTTPError(
-            502, f"prefill instance {backend.name} failed: {failure_kind(exc)}",
-            code="upstream_unavailable",
-        ) from None
+        raise _prefill_failed(backend, exc) from None
     finally:
         backend.inflight -= 1
     leg_s = time.perf_counter() - t0

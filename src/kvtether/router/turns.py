@@ -117,17 +117,22 @@ class TurnRunner:
     ) -> Response:
         conv = held.conv if held is not None else None
         started = self.deps.clock.now_unix_s()
-        prefill = self.pool.pick_prefill()
-        if prefill is None:
-            raise RouterHTTPError(503, "no prefill instance is reachable; retry shortly")
-        if self.pool.decode and not any(b.available for b in self.pool.decode):
-            # Every decode instance just refused a connection: a prefill leg now would only
-            # pin its prompt's KV on P (until vLLM's prefill lease lapses) for nobody.
-            raise RouterHTTPError(503, "no decode instance is reachable; retry shortly",
-                                  code="upstream_unavailable")
-
-        plan = (ReusePlan(None, 0, p.MissCause.STORE_UNAVAILABLE) if store_down
-                else await self._plan(req, conv, prefill))
+        refused: set[str] = set()  # prefill instances that refused this turn's connection
+        while True:
+            prefill = self._pick_prefill(refused)
+            if self.pool.decode and not any(b.available for b in self.pool.decode):
+                # Every decode instance just refused a connection: a prefill leg now would
+                # only pin its prompt's KV on P (until vLLM's prefill lease lapses) for nobody.
+                raise RouterHTTPError(503, "no decode instance is reachable; retry shortly",
+                                      code="upstream_unavailable")
+            try:
+                plan = (ReusePlan(None, 0, p.MissCause.STORE_UNAVAILABLE) if store_down
+                        else await self._plan(req, conv, prefill))
+                break
+            except legs.PrefillRefused as exc:
+                refused.add(prefill.name)
+                if self.pool.pick_prefill(exclude=refused) is None:
+                    raise exc from None
         had_retained = conv is not None and conv.retained is not None
         previous = conv.last_token_ids if conv is not None else None
         taken: RetainedKV | None = None
@@ -139,13 +144,26 @@ class TurnRunner:
                 # Handed to P, so consumed (D frees the blocks once read); no release or
                 # eviction may touch it meanwhile.
                 taken = self.retention.take(conv)
-        try:
-            leg = await legs.prefill(prefill, req.endpoint, req.body, req.request_id, plan.handle)
-        except RouterHTTPError as exc:
-            # vLLM rejects bad requests (4xx) before scheduling them: the handle is unread.
-            if taken is not None and 400 <= exc.status < 500 and conv is not None:
-                self.retention.restore(conv, taken)
-            raise
+        while True:
+            try:
+                leg = await legs.prefill(prefill, req.endpoint, req.body, req.request_id,
+                                         plan.handle)
+                break
+            except legs.PrefillRefused as exc:
+                # Nothing reached it: another prefill instance reads the same handle.
+                refused.add(prefill.name)
+                nxt = self.pool.pick_prefill(exclude=refused)
+                if nxt is None:
+                    # The handle is unread: decode keeps it for the client's retry.
+                    if taken is not None and conv is not None:
+                        self.retention.restore(conv, taken)
+                    raise exc from None
+                prefill = nxt
+            except RouterHTTPError as exc:
+                # vLLM rejects bad requests (4xx) before scheduling them: the handle is unread.
+                if taken is not None and 400 <= exc.status < 500 and conv is not None:
+                    self.retention.restore(conv, taken)
+                raise
         self.deps.metrics.prefill_leg_s.observe(leg.leg_s)
 
         kvtether = self.s.reuse_policy == "kvtether"
@@ -217,6 +235,14 @@ class TurnRunner:
                 release_unsettled=lambda: self.deps.leases.release(decode, ctx.handle_key),
             )
         return await relay_once(ctx, settle, self.deps.clock)
+
+    def _pick_prefill(self, refused: set[str]) -> Backend:
+        """The prefill instance for this turn, skipping those that refused it a connection."""
+        prefill = self.pool.pick_prefill(exclude=refused)
+        if prefill is None:
+            raise RouterHTTPError(503, "no prefill instance is reachable; retry shortly",
+                                  code="upstream_unavailable")
+        return prefill
 
     # ---------------------------------------------------------------- planning
     async def _plan(
