@@ -90,3 +90,40 @@ def test_a_failing_report_does_not_stop_the_watch() -> None:
 
 def test_thread_stacks_lists_this_thread() -> None:
     assert "test_thread_stacks_lists_this_thread" in thread_stacks()
+
+
+class _Watch:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def begin(self) -> None:
+        self.calls.append("begin")
+
+    def end(self) -> None:
+        self.calls.append("end")
+
+
+def test_every_step_of_the_connector_begins_and_ends_the_watch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM binds a step's metadata first and asks for its transfer results last (also on a
+    step with no forward pass): that pair brackets the watch, even when the last call raises."""
+    pytest.importorskip("vllm")
+    from kvtether.connector.nixl import KVTetherWorker, NixlConnector
+
+    worker = object.__new__(KVTetherWorker)
+    worker._step_watch = _Watch()
+    connector = object.__new__(NixlConnector)
+    connector.connector_worker = worker
+    results = object()
+    parent = KVTetherWorker.__mro__[1]
+    monkeypatch.setattr(parent, "get_transfer_results", lambda self: results)
+    connector.bind_connector_metadata(object())
+    assert worker.get_transfer_results() is results
+    # upstream's legacy get_finished goes through get_transfer_results: one end, not two
+    monkeypatch.setattr(parent, "get_transfer_results",
+                        lambda self: (_ for _ in ()).throw(RuntimeError("nixl")))
+    connector.bind_connector_metadata(object())
+    with pytest.raises(RuntimeError):
+        worker.get_transfer_results()
+    assert worker._step_watch.calls == ["begin", "end", "begin", "end"]

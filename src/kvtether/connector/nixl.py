@@ -380,9 +380,10 @@ class KVTetherWorker(NixlPullConnectorWorker):
         if self._step_watch is not None:
             self._step_watch.begin()
 
-    def get_finished(self) -> tuple[set[str], set[str]]:
+    def get_transfer_results(self) -> Any:
+        # The last connector call of every step (upstream's get_finished goes through it).
         try:
-            return super().get_finished()
+            return super().get_transfer_results()
         finally:
             if self._step_watch is not None:
                 self._step_watch.end()
