@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 
@@ -127,3 +128,73 @@ def test_every_step_of_the_connector_begins_and_ends_the_watch(
     with pytest.raises(RuntimeError):
         worker.get_transfer_results()
     assert worker._step_watch.calls == ["begin", "end", "begin", "end"]
+
+
+class _Native:
+    def __init__(self) -> None:
+        self.armed: list[float] = []
+        self.cancelled = 0
+
+    def arm(self, seconds: float) -> None:
+        self.armed.append(seconds)
+
+    def cancel(self) -> None:
+        self.cancelled += 1
+
+
+def test_the_native_watchdog_is_kept_armed_while_steps_run_and_cancelled_when_idle() -> None:
+    native = _Native()
+    watch = StepWatch(0.4, report=lambda s: None, native=native)  # ticks every 0.1 s
+    try:
+        for _ in range(30):  # 0.6 s of short steps
+            watch.begin()
+            time.sleep(0.01)
+            watch.end()
+            time.sleep(0.01)
+        assert watch.native_armed
+        assert len(native.armed) >= 3  # armed by the first begin, re-armed by the thread
+        assert all(s == 0.4 for s in native.armed)
+        _wait_for(lambda: not watch.native_armed)  # idle: cancelled
+        assert native.cancelled == len(native.armed)
+        armed = len(native.armed)
+        watch.begin()  # the first step after idle arms it again, from the step's thread
+        assert len(native.armed) == armed + 1
+        watch.end()
+    finally:
+        watch.close()
+
+
+def test_a_step_stuck_with_python_running_is_reported_from_python_not_natively() -> None:
+    native = _Native()
+    reported: list[float] = []
+    watch = StepWatch(0.3, report=reported.append, native=native)
+    try:
+        watch.begin()
+        _wait_for(lambda: reported)
+        assert not watch.native_armed and native.cancelled == len(native.armed)
+        watch.end()
+    finally:
+        watch.close()
+
+
+def test_a_call_holding_the_gil_is_reported_by_the_native_watchdog(tmp_path) -> None:  # noqa: ANN001
+    """A C call that blocks with the GIL held freezes every Python thread: faulthandler's
+    watchdog (a C thread) still writes where the worker is."""
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent("""
+        import ctypes, time
+        from kvtether.connector._stall import FaulthandlerWatchdog, StepWatch
+        watch = StepWatch(0.4, report=lambda s: None, native=FaulthandlerWatchdog())
+        def stuck_in_nixl():
+            ctypes.PyDLL(None).sleep(2)  # PyDLL: the GIL stays held
+        watch.begin()
+        stuck_in_nixl()
+        watch.end()
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "Timeout (0:00:00.400000)!" in r.stderr, r.stderr
+    assert "stuck_in_nixl" in r.stderr

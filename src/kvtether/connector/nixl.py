@@ -76,7 +76,7 @@ from kvtether.connector._prefix import (  # noqa: E402
     truncate_handle,
 )
 from kvtether.connector._settings import ConnectorSettings  # noqa: E402
-from kvtether.connector._stall import StepWatch  # noqa: E402
+from kvtether.connector._stall import FaulthandlerWatchdog, StepWatch  # noqa: E402
 from kvtether.errors import ConfigError  # noqa: E402
 from kvtether.protocol import (  # noqa: E402
     KV_PARAM_HANDLE_KEY,
@@ -373,7 +373,8 @@ class KVTetherWorker(NixlPullConnectorWorker):
         )
         # A step that does not end is logged with every thread's stack (see ._stall).
         self._step_watch = (None if settings.stall_report_s is None
-                            else StepWatch(settings.stall_report_s))
+                            else StepWatch(settings.stall_report_s,
+                                           native=FaulthandlerWatchdog()))
 
     def step_began(self) -> None:
         """The engine sent this worker a step (before its forward pass)."""
