@@ -9,6 +9,7 @@ package itself does not import vLLM. Parts:
   holds KV for a remote reader sleeps until there is work (imports vLLM).
 * ``_idle`` — when a sleeping engine wakes (deadlines, control operations, a slow tick).
 * ``_quiet`` — worker-process idle settings: NIXL progress-thread delay, RPC spin window.
+* ``_stall`` — a worker step that does not end is logged with every thread's stack.
 * ``_leases`` — the lease table shared by the engine loop and the control channel.
 * ``_control`` — the HTTP control channel (``/kvtether/v1/...``, see :mod:`kvtether.protocol`).
 * ``_prefix`` — block-hash prefix identity: what decode adds to a handle, what prefill checks.
