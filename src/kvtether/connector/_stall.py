@@ -135,29 +135,28 @@ class StepWatch:
     def _run(self) -> None:
         with self._cond:
             while not self._closed:
-                now = self._clock()
-                running = self._started is not None and not self._reported
-                if running and now - self._started >= self.after_s:  # type: ignore[operator]
+                now, started = self._clock(), self._started
+                running = started is not None and not self._reported
+                if started is not None and running and now - started >= self.after_s:
                     self._reported = True
                     self.reports += 1
                     self._disarm()  # this report says it all
-                    running_s = now - self._started  # type: ignore[operator]
                     self._cond.release()
                     try:
-                        self._report(running_s)
+                        self._report(now - started)
                     except Exception:  # a report must never take the worker down
                         logger.debug("kvtether step watch: report failed", exc_info=True)
                     finally:
                         self._cond.acquire()
                     continue
                 self._keep_native_armed(now)
-                if not running and self._armed_at is None:
-                    self._cond.wait()  # idle (or reported): begin() wakes us
+                if started is None or not running:
+                    if self._armed_at is None:
+                        self._cond.wait()  # idle (or reported): begin() wakes us
+                        continue
+                    self._cond.wait(self.tick_s)
                     continue
-                wait_s = self.tick_s
-                if running:
-                    wait_s = min(wait_s, self._started + self.after_s - now)  # type: ignore[operator]
-                self._cond.wait(max(0.001, wait_s))
+                self._cond.wait(max(0.001, min(self.tick_s, started + self.after_s - now)))
 
     @staticmethod
     def _log(running_s: float) -> None:

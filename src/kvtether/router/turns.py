@@ -118,21 +118,19 @@ class TurnRunner:
         conv = held.conv if held is not None else None
         started = self.deps.clock.now_unix_s()
         refused: set[str] = set()  # prefill instances that refused this turn's connection
+        prefill = self._pick_prefill(refused)
+        if self.pool.decode and not any(b.available for b in self.pool.decode):
+            # Every decode instance just refused a connection: a prefill leg now would only
+            # pin its prompt's KV on P (until vLLM's prefill lease lapses) for nobody.
+            raise RouterHTTPError(503, "no decode instance is reachable; retry shortly",
+                                  code="upstream_unavailable")
         while True:
-            prefill = self._pick_prefill(refused)
-            if self.pool.decode and not any(b.available for b in self.pool.decode):
-                # Every decode instance just refused a connection: a prefill leg now would
-                # only pin its prompt's KV on P (until vLLM's prefill lease lapses) for nobody.
-                raise RouterHTTPError(503, "no decode instance is reachable; retry shortly",
-                                      code="upstream_unavailable")
             try:
                 plan = (ReusePlan(None, 0, p.MissCause.STORE_UNAVAILABLE) if store_down
                         else await self._plan(req, conv, prefill))
                 break
             except legs.PrefillRefused as exc:
-                refused.add(prefill.name)
-                if self.pool.pick_prefill(exclude=refused) is None:
-                    raise exc from None
+                prefill = self._instead_of_refused(refused, exc)
         had_retained = conv is not None and conv.retained is not None
         previous = conv.last_token_ids if conv is not None else None
         taken: RetainedKV | None = None
@@ -144,26 +142,15 @@ class TurnRunner:
                 # Handed to P, so consumed (D frees the blocks once read); no release or
                 # eviction may touch it meanwhile.
                 taken = self.retention.take(conv)
-        while True:
-            try:
-                leg = await legs.prefill(prefill, req.endpoint, req.body, req.request_id,
-                                         plan.handle)
-                break
-            except legs.PrefillRefused as exc:
-                # Nothing reached it: another prefill instance reads the same handle.
-                refused.add(prefill.name)
-                nxt = self.pool.pick_prefill(exclude=refused)
-                if nxt is None:
-                    # The handle is unread: decode keeps it for the client's retry.
-                    if taken is not None and conv is not None:
-                        self.retention.restore(conv, taken)
-                    raise exc from None
-                prefill = nxt
-            except RouterHTTPError as exc:
-                # vLLM rejects bad requests (4xx) before scheduling them: the handle is unread.
-                if taken is not None and 400 <= exc.status < 500 and conv is not None:
-                    self.retention.restore(conv, taken)
-                raise
+        try:
+            leg = await self._prefill_leg(prefill, refused, req, plan.handle)
+        except RouterHTTPError as exc:
+            # The handle is unread: vLLM rejects bad requests (4xx) before scheduling them, and
+            # a refused connection reached nobody; decode keeps it for the client's retry.
+            unread = 400 <= exc.status < 500 or isinstance(exc, legs.PrefillRefused)
+            if taken is not None and unread and conv is not None:
+                self.retention.restore(conv, taken)
+            raise
         self.deps.metrics.prefill_leg_s.observe(leg.leg_s)
 
         kvtether = self.s.reuse_policy == "kvtether"
@@ -199,7 +186,7 @@ class TurnRunner:
             reusable_tokens=outcome.reusable_tokens,
             prompt_tokens=len(leg.prompt_token_ids),
             stream=req.stream,
-            prefill_instance=prefill.name,
+            prefill_instance=leg.prefill.name,
             decode_instance=decode.name,
             started_unix_s=started,
         )
@@ -243,6 +230,26 @@ class TurnRunner:
             raise RouterHTTPError(503, "no prefill instance is reachable; retry shortly",
                                   code="upstream_unavailable")
         return prefill
+
+    def _instead_of_refused(self, refused: set[str], exc: legs.PrefillRefused) -> Backend:
+        """Another prefill instance for a turn whose instance refused the connection (nothing
+        reached it; any prefill instance reads the same handle); ``exc`` when none is left."""
+        refused.add(exc.backend.name)
+        prefill = self.pool.pick_prefill(exclude=refused)
+        if prefill is None:
+            raise exc
+        return prefill
+
+    async def _prefill_leg(
+        self, prefill: Backend, refused: set[str], req: TurnRequest,
+        handle: dict[str, Any] | None,
+    ) -> legs.PrefillResult:
+        while True:
+            try:
+                return await legs.prefill(prefill, req.endpoint, req.body, req.request_id,
+                                          handle)
+            except legs.PrefillRefused as exc:
+                prefill = self._instead_of_refused(refused, exc)
 
     # ---------------------------------------------------------------- planning
     async def _plan(
