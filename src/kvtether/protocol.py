@@ -45,6 +45,8 @@ __all__ = [
     "HeartbeatRequest",
     "HeartbeatResponse",
     "TurnRecord",
+    "TurnTimings",
+    "EngineTimings",
     "SessionStatus",
     "ErrorBody",
     "error_body",
@@ -68,6 +70,7 @@ __all__ = [
     "KV_PARAM_PREFIX_BREAK",
     "KV_PARAM_REUSED_TOKENS",
     "KV_PARAM_PULL",
+    "KV_PARAM_TIMINGS",
     "PREFILL_READ_MARGIN_S",
     "FieldError",
     "first_field_error",
@@ -312,6 +315,51 @@ class HeartbeatResponse(BaseModel):
     retained_tokens: int
 
 
+class EngineTimings(BaseModel):
+    """One leg inside a vLLM engine, measured by the kvtether connector (seconds).
+
+    ``queue_s``: from the request's arrival at vLLM until its scheduler first took it up;
+    ``read_s``: reading KV from the other instance over NIXL (prefill: decode's retained KV;
+    decode: this turn's KV from prefill), ``None`` when nothing was read; ``engine_s``: arrival
+    until the request finished in the engine (decode: the whole answer).
+    """
+
+    queue_s: float | None = None
+    read_s: float | None = None
+    engine_s: float | None = None
+
+
+class TurnTimings(BaseModel):
+    """Where one turn's time went (seconds; ``None``: not on this turn's path).
+
+    From the router's clock: ``router_wait_s`` (waiting for the conversation: another turn of
+    it in flight, the store), ``plan_s`` (prefill's ``/tokenize`` for the prefix check, with the
+    lease check on decode alongside), ``prefill_leg_s`` (the prefill request, end to end),
+    ``decode_first_token_s`` (decode leg sent until its first token reached the router; streamed
+    turns). From the connectors inside vLLM: ``prefill`` and ``decode``
+    (:class:`EngineTimings`).
+    """
+
+    router_wait_s: float | None = None
+    plan_s: float | None = None
+    prefill_leg_s: float | None = None
+    decode_first_token_s: float | None = None
+    prefill: EngineTimings | None = None
+    decode: EngineTimings | None = None
+
+    def stages(self) -> dict[str, float]:
+        """Flat ``stage -> seconds`` of what was measured (metric labels, tables)."""
+        out = {k: v for k, v in (
+            ("router_wait", self.router_wait_s), ("plan", self.plan_s),
+            ("prefill_leg", self.prefill_leg_s), ("decode_first_token", self.decode_first_token_s),
+        ) if v is not None}
+        for leg, engine in (("prefill", self.prefill), ("decode", self.decode)):
+            if engine is not None:
+                out.update({f"{leg}_{k[:-2]}": v for k, v in engine.model_dump().items()
+                            if v is not None})
+        return out
+
+
 class TurnRecord(BaseModel):
     """One turn as the router saw it."""
 
@@ -327,6 +375,7 @@ class TurnRecord(BaseModel):
     ttft_s: float | None = None
     latency_s: float | None = None
     started_unix_s: float = 0.0
+    timings: TurnTimings = Field(default_factory=TurnTimings)
 
 
 class SessionStatus(BaseModel):
@@ -448,6 +497,7 @@ KV_PARAM_PREFIX_MATCH_TOKENS = "kvtether_prefix_match_tokens"  # P: offered toke
 KV_PARAM_PREFIX_BREAK = "kvtether_prefix_break"  # P: the prompt differs from D's sequence
 KV_PARAM_REUSED_TOKENS = "kvtether_reused_tokens"  # P: tokens actually read from D
 KV_PARAM_PULL = "kvtether_pull"  # P: a PullOutcome value
+KV_PARAM_TIMINGS = "kvtether_timings"  # P and D -> router: EngineTimings of the leg
 
 # vLLM's prefill side declines to read a handle whose expiry is this close (seconds). This is
 # vLLM 0.32's ``_KV_BLOCKS_EXPIRY_SAFETY_MARGIN``, written here because the router and tests

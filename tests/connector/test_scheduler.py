@@ -227,3 +227,33 @@ def test_prefill_exports_how_long_it_holds_a_new_turn_s_kv(tmp_path: Path) -> No
         h.step()
     expiry = h.outputs["p-0"]["remote_blocks_expiry_time"]
     assert before + 120 <= expiry <= time.perf_counter() + 120  # prefill's own hold
+
+
+# --- where a leg's time went (EngineTimings in the leg's kv_transfer_params) ---------------
+def test_prefill_reports_its_queue_and_read_time(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    request = h.add("p-1", SEQ + [1, 2, 3], decode_handle())
+    request.arrival_time = time.time() - 0.5  # half a second in vLLM's queue
+    h.step()
+    time.sleep(0.05)  # the NIXL read
+    h.step(recved={"p-1"})
+    h.step()
+    timings = h.outputs["p-1"]["kvtether_timings"]
+    assert timings["queue_s"] == pytest.approx(0.5, abs=0.1)
+    assert timings["read_s"] == pytest.approx(0.05, abs=0.04)
+    assert timings["engine_s"] >= timings["queue_s"] + timings["read_s"]
+    assert h.conn._timings == {}  # nothing kept once the request finished
+
+
+def test_decode_publishes_its_timings_with_the_handle_and_a_fresh_prefill_has_no_read(
+    tmp_path: Path,
+) -> None:
+    h = Harness(tmp_path, extra={"kvtether_lease_ttl_s": 30})
+    finish_decode_turn(h, "d-1", "key-1")
+    timings = HandleResponse.model_validate(
+        h.conn.leases.handle("key-1", wait_s=0).body).kv_transfer_params["kvtether_timings"]
+    assert timings["read_s"] is not None and timings["queue_s"] is not None
+    h.add("p-0", list(range(10, 22)), {"do_remote_decode": True})
+    for _ in range(3):
+        h.step()
+    assert h.outputs["p-0"]["kvtether_timings"]["read_s"] is None

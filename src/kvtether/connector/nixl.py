@@ -66,6 +66,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (  # n
 )
 
 from kvtether.connector._control import ControlServer  # noqa: E402
+from kvtether.connector._cores import keep_thread_affinity  # noqa: E402
 from kvtether.connector._idle import EngineWaker  # noqa: E402
 from kvtether.connector._leases import LeaseTable  # noqa: E402
 from kvtether.connector._quiet import progress_thread_delay, shorten_rpc_spin  # noqa: E402
@@ -83,6 +84,7 @@ from kvtether.protocol import (  # noqa: E402
     KV_PARAM_LEASE_KEY,
     KV_PARAM_LEASE_TTL_S,
     KV_PARAM_PULL,
+    KV_PARAM_TIMINGS,
     ConnectorStatus,
     IdleInfo,
 )
@@ -121,6 +123,9 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
             op_timeout_s=self.settings.op_timeout_s,
         )
         self._pulls: dict[str, PullRecord] = {}
+        # Request id -> [first taken up by the scheduler, KV read started, read done]
+        # (time.time(), like vLLM's request.arrival_time): the leg's EngineTimings.
+        self._timings: dict[str, list[float | None]] = {}
         # Deadlines of every request whose blocks wait for a remote reader (both roles), as
         # sent to the worker: when a sleeping engine must wake to free them.
         self._held_deadlines: dict[str, float] = {}
@@ -195,6 +200,8 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
+        if request.kv_transfer_params:
+            self._timings.setdefault(request.request_id, [time.time(), None, None])
         params = request.kv_transfer_params
         if not _is_decode_handle(params):
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -230,6 +237,8 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
         record = self._pulls.get(request.request_id)
         if record is not None and params is not None and not params.get("_remote_blocks_processed"):
             record.allocated(num_external_tokens)
+        if num_external_tokens > 0 and (timing := self._timings.get(request.request_id)):
+            timing[1] = time.time()
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     # --- decode side: leases and handle publication ----------------------------------------
@@ -238,6 +247,7 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
     ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
         record = self._pulls.pop(request.request_id, None)
+        timings = self._engine_timings(request)
         if not params:
             return super().request_finished(request, block_ids)
         key = params.get(KV_PARAM_HANDLE_KEY)
@@ -253,6 +263,8 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
                 self.leases.not_retained(str(key), request.request_id)
             return False, (None if delay else out)
         delay, out = super().request_finished(request, block_ids)
+        if out is not None and timings is not None:
+            out[KV_PARAM_TIMINGS] = timings
         if params.get("do_remote_decode"):  # prefill role: report what was read from decode
             if out is not None and record is not None:
                 out.update(record.as_params())
@@ -269,6 +281,20 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
                 self.leases.not_retained(str(key), request.request_id)
             return delay, out
         return delay, self._open_lease(request, out, str(key or request.request_id), params)
+
+    def _engine_timings(self, request: Request) -> dict[str, float | None] | None:
+        """The leg's :class:`~kvtether.protocol.EngineTimings`, as a JSON-ready dict."""
+        timing = self._timings.pop(request.request_id, None)
+        if timing is None:
+            return None
+        taken_up, read_start, read_done = timing
+        now, arrival = time.time(), float(request.arrival_time)
+        return {
+            "queue_s": round(max(0.0, taken_up - arrival), 4) if taken_up else None,
+            "read_s": (round(read_done - read_start, 4)
+                       if read_start is not None and read_done is not None else None),
+            "engine_s": round(max(0.0, now - arrival), 4),
+        }
 
     def _open_lease(
         self, request: Request, handle: dict[str, Any], key: str, params: dict[str, Any]
@@ -308,6 +334,9 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
+        for request_id in connector_output.finished_recving or ():
+            if (timing := self._timings.get(request_id)) is not None:
+                timing[2] = time.time()
         if connector_output.finished_sending:
             for request_id in connector_output.finished_sending:
                 self._held_deadlines.pop(request_id, None)
@@ -353,8 +382,9 @@ class NixlConnector(NixlPullConnector):
 
 
 class KVTetherWorker(NixlPullConnectorWorker):
-    """Upstream's pull worker, built with the idle settings of :mod:`._quiet` when asked, that
-    also declines decode's late read of prefill's KV (see :meth:`_is_turn2_read_expired`) and
+    """Upstream's pull worker, built with the idle settings of :mod:`._quiet` when asked and
+    left on the cores vLLM bound it to (:mod:`._cores`), that also declines decode's late read
+    of prefill's KV (see :meth:`_is_turn2_read_expired`) and
     reports a step that does not end (:mod:`._stall`)."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig):
@@ -362,7 +392,8 @@ class KVTetherWorker(NixlPullConnectorWorker):
         settings = ConnectorSettings.from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config
         )
-        with progress_thread_delay(NixlWrapper, settings.progress_thread_delay_us):
+        with (progress_thread_delay(NixlWrapper, settings.progress_thread_delay_us),
+              keep_thread_affinity()):
             super().__init__(vllm_config, engine_id, kv_cache_config)
         shorten_rpc_spin(settings.rpc_busy_loop_s)
         # Prefill-side request id -> the heartbeats this worker sent prefill for it (only
