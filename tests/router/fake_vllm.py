@@ -682,6 +682,13 @@ class FakeVLLM:
             if key:
                 kv_out[p.KV_PARAM_LEASE_KEY] = key
                 self.leases[key] = r
+        if kv_out is not None and self.kvtether_connector:
+            # Like the kvtether connector: how this leg went inside the engine.
+            kv_out[p.KV_PARAM_TIMINGS] = {
+                "queue_s": self.queue_delay_s,
+                "read_s": 0.001 if (read is not None and read.read_tokens) or is_decode else None,
+                "engine_s": self.queue_delay_s + self.delay_s,
+            }
         if failure == "no_kv_params":
             kv_out = None
 

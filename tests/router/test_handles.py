@@ -134,3 +134,21 @@ async def test_no_release_of_a_handle_in_flight(how: str) -> None:
         gate.set()
         await a_turn
         h.assert_kv_correct()
+
+
+async def test_kv_a_failed_read_left_on_decode_is_released_at_once() -> None:
+    # The hand-off lease is long (a loaded prefill may queue the read for minutes); when P
+    # declined or failed the read and recomputed, nobody will read that KV: freed now.
+    async with make_router(control=True, fake={"kvtether_connector": True}) as h:
+        a = h.conversation("declined")
+        await a.say("one")
+        key = h.d.decode_params[-1][p.KV_PARAM_HANDLE_KEY]
+        h.p.pull_failure = True
+        assert (await a.say("two")).outcome == "miss:transfer_failed"
+        for _ in range(100):
+            if key in h.d.releases:
+                break
+            await asyncio.sleep(0.01)
+        assert key in h.d.releases
+        h.p.pull_failure = False
+        assert (await a.say("three")).outcome == "fired"

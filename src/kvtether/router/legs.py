@@ -21,7 +21,8 @@ from kvtether.router.backends import Backend, BackendPool
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "PrefillRefused", "PrefillResult", "failure_kind", "json_or_502", "note_failure",
+    "PrefillRefused", "PrefillResult", "engine_timings", "failure_kind", "json_or_502",
+    "note_failure",
     "open_decode", "prefill",
     "prompt_ids", "tokenize",
 ]
@@ -71,6 +72,7 @@ class PrefillResult:
     pulled_tokens: int | None  # from the kvtether connector on P, when it runs there
     pull: str | None  # a protocol.PullOutcome value, from the same
     leg_s: float
+    engine: p.EngineTimings | None = None  # measured inside P by the kvtether connector
 
 
 async def tokenize(
@@ -127,6 +129,7 @@ async def prefill(
         raise UpstreamError.from_response(r)
     data = json_or_502(r.content, backend)
     params = data.get("kv_transfer_params") or {}
+    engine = engine_timings(params)
     if not params.get("do_remote_prefill"):
         raise RouterHTTPError(502, "prefill instance returned no KV handle; is it running "
                                    "with the NIXL connector?", code="upstream_misconfigured")
@@ -138,7 +141,20 @@ async def prefill(
         pulled_tokens=params.get(p.KV_PARAM_REUSED_TOKENS),
         pull=params.get(p.KV_PARAM_PULL),
         leg_s=leg_s,
+        engine=engine,
     )
+
+
+def engine_timings(params: dict[str, Any] | None) -> p.EngineTimings | None:
+    """Take the connector's timings out of a leg's ``kv_transfer_params`` (they are not part
+    of the handle the other instance reads)."""
+    raw = params.pop(p.KV_PARAM_TIMINGS, None) if isinstance(params, dict) else None
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return p.EngineTimings.model_validate(raw)
+    except ValueError:
+        return None
 
 
 async def open_decode(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvtether.protocol import TurnTimings
+
 __all__ = ["RouterMetrics"]
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -71,6 +73,14 @@ class RouterMetrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5), registry=r,
         )
 
+        self.turn_stage_s = Histogram(
+            "kvtether_turn_stage_seconds",
+            "Where turns' time went, by stage (TurnTimings: router_wait, plan, prefill_leg, "
+            "decode_first_token from the router's clock; prefill_queue, prefill_read, "
+            "prefill_engine, decode_queue, decode_read, decode_engine from the connectors)",
+            ["stage"], buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+
         self.store_ops = Counter(
             "kvtether_store_ops", "Round trips to the shared conversation store, by operation",
             ["op"], registry=r,
@@ -86,6 +96,10 @@ class RouterMetrics:
             "Requests the shared conversation store did not answer (turns ran as plain P/D)",
             registry=r,
         )
+
+    def observe_stages(self, timings: TurnTimings) -> None:
+        for stage, seconds in timings.stages().items():
+            self.turn_stage_s.labels(stage).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -42,6 +42,7 @@ class TurnContext:
     headers: dict[str, str]  # the response's kvtether headers
     handle_key: str | None  # the lease key D publishes the handle under (kvtether connector)
     wants_token_ids: bool  # the client asked for token ids; otherwise they are stripped
+    decode_sent_unix_s: float = 0.0  # when the decode leg was sent (router clock)
     # Filled while relaying: the sequence D now holds KV for.
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
@@ -131,7 +132,9 @@ def relay_stream(
                 for c in chunk.get("choices") or []:
                     ctx.output_ids.extend(c.get("token_ids") or [])
                     if record.ttft_s is None and c.get("token_ids"):
-                        record.ttft_s = clock.now_unix_s() - record.started_unix_s
+                        now = clock.now_unix_s()
+                        record.ttft_s = now - record.started_unix_s
+                        record.timings.decode_first_token_s = now - ctx.decode_sent_unix_s
                         metrics.ttft_s.observe(record.ttft_s)
                 if not ctx.wants_token_ids:
                     _strip_token_ids(chunk)

@@ -126,9 +126,11 @@ class RouterSettings(RetentionSettings, AccessSettings, BaseSettings):
         default=6.0, ge=0, description="never forward a handle that expires within this margin"
     )
     handoff_lease_s: float = Field(
-        default=60.0, ge=0,
+        default=300.0, ge=0,
         description="before a handle goes to prefill, extend its lease to at least this, so it "
-        "cannot expire while the prefill request waits for its read (0: off)",
+        "cannot expire while the prefill request waits in a loaded queue for its read (a read "
+        "frees the KV at once, and a failed one is released, so a long hand-off holds nothing "
+        "longer; 0: off)",
     )
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     upstream_connect_timeout_s: float = Field(default=30.0, gt=0)

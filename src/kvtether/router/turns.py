@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["TurnRequest", "TurnRunner"]
 
+# Releases of KV nobody will read, started without waiting for them; held against GC.
+_background: set[asyncio.Task[Any]] = set()
+
 
 @dataclass
 class TurnRequest:
@@ -66,8 +69,9 @@ class TurnRunner:
 
     # ---------------------------------------------------------------- entry point
     async def run(self, req: TurnRequest) -> Response:
+        received = self.deps.clock.now_unix_s()
         if not req.conversation_id:
-            return await self._run_locked(req, None)
+            return await self._run_locked(req, None, received)
         try:
             held = await self.deps.store.lock(
                 req.conversation_id, req.tenant, wait_s=self.s.store_lock_wait_s
@@ -84,9 +88,9 @@ class TurnRunner:
             logger.warning("conversation store unavailable (%s); turn of %s runs without reuse",
                            exc, req.conversation_id)
             self.deps.metrics.store_unavailable.inc()
-            return await self._run_locked(req, None, store_down=True)
+            return await self._run_locked(req, None, received, store_down=True)
         try:
-            response = await self._run_locked(req, held)
+            response = await self._run_locked(req, held, received)
         except BaseException:
             held.commit_soon()
             raise
@@ -113,10 +117,12 @@ class TurnRunner:
                 await self.retention.release(conv, p.MissCause.NOT_RETAINED)
 
     async def _run_locked(
-        self, req: TurnRequest, held: HeldConversation | None, *, store_down: bool = False
+        self, req: TurnRequest, held: HeldConversation | None, received: float, *,
+        store_down: bool = False,
     ) -> Response:
         conv = held.conv if held is not None else None
-        started = self.deps.clock.now_unix_s()
+        clock = self.deps.clock
+        timings = p.TurnTimings(router_wait_s=clock.now_unix_s() - received)
         refused: set[str] = set()  # prefill instances that refused this turn's connection
         prefill = self._pick_prefill(refused)
         if self.pool.decode and not any(b.available for b in self.pool.decode):
@@ -124,6 +130,7 @@ class TurnRunner:
             # pin its prompt's KV on P (until vLLM's prefill lease lapses) for nobody.
             raise RouterHTTPError(503, "no decode instance is reachable; retry shortly",
                                   code="upstream_unavailable")
+        planning = clock.now_unix_s()
         while True:
             try:
                 plan = (ReusePlan(None, 0, p.MissCause.STORE_UNAVAILABLE) if store_down
@@ -131,6 +138,7 @@ class TurnRunner:
                 break
             except legs.PrefillRefused as exc:
                 prefill = self._instead_of_refused(refused, exc)
+        timings.plan_s = clock.now_unix_s() - planning
         had_retained = conv is not None and conv.retained is not None
         previous = conv.last_token_ids if conv is not None else None
         taken: RetainedKV | None = None
@@ -152,6 +160,11 @@ class TurnRunner:
                 self.retention.restore(conv, taken)
             raise
         self.deps.metrics.prefill_leg_s.observe(leg.leg_s)
+        timings.prefill_leg_s, timings.prefill = leg.leg_s, leg.engine
+        if taken is not None and leg.pull == p.PullOutcome.FAILED.value:
+            # P recomputed instead (a declined or failed read): D still holds the KV under its
+            # hand-off lease, which nobody will read now.
+            self._release_unread(taken)
 
         kvtether = self.s.reuse_policy == "kvtether"
         handle_key = uuid.uuid4().hex if kvtether else None
@@ -165,6 +178,7 @@ class TurnRunner:
                 p.KV_PARAM_LEASE_TTL_S: self._initial_lease_s(req.hints),
             })
         preferred = conv.decode_instance if conv is not None and kvtether else None
+        decode_sent = clock.now_unix_s()
         decode, upstream = await legs.open_decode(
             self.pool, preferred, req.endpoint, body, req.request_id, round_robin=not kvtether
         )
@@ -188,7 +202,8 @@ class TurnRunner:
             stream=req.stream,
             prefill_instance=leg.prefill.name,
             decode_instance=decode.name,
-            started_unix_s=started,
+            started_unix_s=received,
+            timings=timings,
         )
         self._count(outcome, record)
         ctx = TurnContext(
@@ -200,6 +215,7 @@ class TurnRunner:
             headers=self._headers(req, record, plan),
             handle_key=handle_key if decode.control_url else None,
             wants_token_ids=req.wants_token_ids,
+            decode_sent_unix_s=decode_sent,
         )
 
         async def settle(ctx: TurnContext, handle: dict[str, Any] | None) -> None:
@@ -222,6 +238,15 @@ class TurnRunner:
                 release_unsettled=lambda: self.deps.leases.release(decode, ctx.handle_key),
             )
         return await relay_once(ctx, settle, self.deps.clock)
+
+    def _release_unread(self, taken: RetainedKV) -> None:
+        holder = self.pool.by_name(taken.decode_instance)
+        if holder is None or not taken.handle_key:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self.deps.leases.release(holder, taken.handle_key))
+        _background.add(task)
+        task.add_done_callback(_background.discard)
 
     def _pick_prefill(self, refused: set[str]) -> Backend:
         """The prefill instance for this turn, skipping those that refused it a connection."""
@@ -297,6 +322,8 @@ class TurnRunner:
     ) -> None:
         """Record the finished turn and keep (or free) what D retained for the next one."""
         conv, decode = ctx.conv, ctx.decode
+        ctx.record.timings.decode = legs.engine_timings(handle)
+        self.deps.metrics.observe_stages(ctx.record.timings)
         if conv is None:
             # Nobody can ask for this KV again.
             await self.deps.leases.release(decode, ctx.handle_key)

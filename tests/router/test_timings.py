@@ -1,0 +1,60 @@
+"""Where a turn's time went: the router's stages and the connectors' engine timings, in the turn
+record, in Prometheus, and never forwarded to the other instance as part of a handle."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvtether import protocol as p
+
+from .conftest import make_router
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_each_turn_records_where_its_time_went(stream: bool) -> None:
+    fake = {"kvtether_connector": True, "queue_delay_s": 0.05, "delay_s": 0.02}
+    async with make_router(control=True, fake=fake) as h:
+        agent = h.conversation("timed")
+        await agent.say("first question " * 20, stream=stream)
+        await agent.say("tool output " * 40, stream=stream)
+        status = p.SessionStatus.model_validate(
+            (await h.client.get("/v1/sessions/timed")).json())
+        assert [t.outcome for t in status.turns] == ["miss:first_turn", "fired"]
+        for turn in status.turns:
+            t = turn.timings
+            assert t.router_wait_s is not None and 0 <= t.router_wait_s < 1
+            assert t.plan_s is not None and t.prefill_leg_s is not None
+            assert t.prefill_leg_s >= 0.05  # the fake prefill waited in its queue that long
+            assert t.prefill is not None and t.prefill.queue_s == 0.05
+            assert t.prefill.engine_s == pytest.approx(0.07)
+            assert t.decode is not None and t.decode.queue_s == 0.05
+            assert (t.decode_first_token_s is not None) is stream
+            if stream:
+                assert t.decode_first_token_s <= turn.ttft_s
+        # Turn 2 read decode's KV; turn 1 had nothing to read.
+        assert status.turns[0].timings.prefill.read_s is None
+        assert status.turns[1].timings.prefill.read_s == 0.001
+        # Timings are reports, not handle fields: never sent on to the other instance.
+        assert all(p.KV_PARAM_TIMINGS not in d for d in h.d.decode_params)
+        assert all(p.KV_PARAM_TIMINGS not in (hd or {}) for hd in h.p.prefill_handles)
+        metrics = (await h.client.get("/metrics")).text
+        for stage in ("router_wait", "plan", "prefill_leg", "prefill_queue", "prefill_read",
+                      "decode_queue", "decode_engine"):
+            assert f'kvtether_turn_stage_seconds_count{{stage="{stage}"}}' in metrics, stage
+
+
+async def test_a_turn_that_waits_for_its_conversation_says_so() -> None:
+    fake = {"kvtether_connector": True, "delay_s": 0.3}
+    async with make_router(control=True, fake=fake) as h:
+        first = h.chat([{"role": "user", "content": "a " * 30}], conv="busy")
+        second = h.chat([{"role": "user", "content": "b " * 30}], conv="busy")
+        await asyncio.gather(first, second)
+        status = p.SessionStatus.model_validate(
+            (await h.client.get("/v1/sessions/busy")).json())
+        waits = sorted(t.timings.router_wait_s for t in status.turns)
+        assert waits[0] < 0.1 and waits[1] >= 0.25, waits
+        # Its wait is part of what the client waited for.
+        later = max(status.turns, key=lambda t: t.timings.router_wait_s)
+        assert later.latency_s >= later.timings.router_wait_s
