@@ -115,3 +115,32 @@ async def test_client_disconnect_non_streamed_turn_is_harmless(hc) -> None:
     assert not hc.app.state.store.get("nowedge").lock.locked()
     t = await asyncio.wait_for(a.say("two, retried"), timeout=5.0)
     assert t.status == 200
+
+
+async def test_a_heartbeat_whose_client_hangs_up_mid_body_is_not_an_error(
+    hc, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A session stops its heartbeat when the tool ends, possibly mid-request.
+    a = hc.conversation("beat")
+    await a.say("one")
+    path = "/v1/sessions/beat/heartbeat"
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+        "root_path": "", "client": ("127.0.0.1", 50000), "server": ("router", 80),
+        "headers": [(b"content-type", b"application/json")],
+    }
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    sent: list = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    with caplog.at_level("WARNING", logger="kvtether"):
+        await hc.app(scope, receive, send)
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    assert sent[0]["status"] == 400
+    assert (await hc.client.post(path, json={})).status_code == 200  # the lease is fine

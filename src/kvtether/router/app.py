@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -202,6 +202,7 @@ def create_app(
             RouterHTTPError: _counted(_router_error, metrics),
             HTTPException: _counted(_http_error, metrics),
             ConversationTableFullError: _counted(_table_full, metrics),
+            ClientDisconnect: _client_gone,
             Exception: _counted(_internal_error, metrics),
         },
     )
@@ -303,6 +304,14 @@ async def _table_full(request: Request, exc: Exception) -> Response:
     return error_response(503, "the router's conversation table is full and every "
                                "conversation in it has a turn in flight; retry shortly",
                           code="conversation_table_full")
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    # The client hung up before its request body arrived (e.g. a session stopping a heartbeat
+    # when the tool ends): nothing was done and nobody reads the answer.
+    logger.debug("%s %s: client disconnected", request.method, request.url.path)
+    return error_response(400, "the client disconnected before sending its request",
+                          code="client_disconnected")
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
