@@ -90,3 +90,17 @@ def test_rpc_readers_spin_no_longer_than_asked() -> None:
     assert shorten_rpc_spin(0.02) >= 1
     assert reader.busy_loop_s == 0.02 and writer.busy_loop_s == 0
     assert shorten_rpc_spin(None) == 0
+
+
+def test_the_engine_core_side_shortens_its_spin_too(tmp_path, monkeypatch) -> None:
+    # The engine core spins on the worker's response queue for every step of a loaded engine;
+    # the connector's scheduler side (built in the engine-core process) shortens it there.
+    pytest.importorskip("vllm")
+    import kvtether.connector.nixl as nixl
+
+    from .harness import Harness
+
+    calls: list[float | None] = []
+    monkeypatch.setattr(nixl, "shorten_rpc_spin", lambda s: calls.append(s) or 0)
+    Harness(tmp_path, extra={"kvtether_rpc_busy_loop_s": 0.02})
+    assert calls == [0.02]

@@ -12,10 +12,13 @@ profiles do; see :mod:`kvtether.stack.profiles`):
   hands nixl a binding whose ``nixlAgent`` sets it first. Upstream fix that makes this
   unnecessary: a ``pthrDelay`` field on ``nixl_agent_config`` and a vLLM
   ``kv_connector_extra_config`` key that forwards it.
-* **vLLM's shared-memory RPC queue** (``kvtether_rpc_busy_loop_s``). The worker process spins
-  on ``sched_yield`` for 1 s (``SpinCondition.busy_loop_s``) after every message before it
-  blocks; a sleeping engine's occasional step would keep it spinning. :func:`shorten_rpc_spin`
-  lowers that window on the worker's readers. Upstream fix: make ``busy_loop_s`` a setting.
+* **vLLM's shared-memory RPC queue** (``kvtether_rpc_busy_loop_s``). Each reader spins on
+  ``sched_yield`` for 1 s (``SpinCondition.busy_loop_s``) after every message before it
+  blocks: the worker waiting for the next step (a sleeping engine's occasional step would keep
+  it spinning), and the engine core waiting for the worker's result of each step (under load it
+  never stops: a core-share taken from the workers). :func:`shorten_rpc_spin` lowers that
+  window on a process's readers: the worker's (the connector's worker side) and the engine
+  core's (its scheduler side). Upstream fix: make ``busy_loop_s`` a setting.
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ def progress_thread_delay(agent_cls: Any, delay_us: int | None) -> Iterator[None
 def shorten_rpc_spin(busy_loop_s: float | None) -> int:
     """Lower the spin window of this process's shared-memory RPC readers; returns how many.
 
-    Call it in the worker process once its queues exist (the KV connector is built after).
+    Call it once the process's queues exist: the KV connector is built after them, in the
+    worker (its worker side) and in the engine core (its scheduler side).
     """
     if busy_loop_s is None:
         return 0
