@@ -4,7 +4,8 @@ One scenario (generated from a seed, or read from a file), one time-compression 
 strategies one after the other on this host, each started fresh and stopped before the next
 (also on errors and Ctrl-C). ``colocated`` runs first: its greedy outputs are the reference
 the others are compared with. Writes ``results.json``, ``results.md`` and three plots to
-``--out``, and prints the table.
+``--out``, and prints the table. With ``--concurrency`` it runs the concurrency sweep instead
+(:mod:`kvtether.bench.sweep`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import platform
 import shlex
 import sys
 import uuid
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtether.bench import report
 from kvtether.bench.metrics import mark_divergence, summarize
@@ -26,32 +29,56 @@ from kvtether.bench.scenario import Scenario, ScenarioError, generate_scenario, 
 from kvtether.bench.strategies import (
     FIXED_TTL_S,
     STRATEGIES,
+    Endpoints,
+    Strategy,
     StrategyOptions,
     start_strategy,
 )
 
-__all__ = ["build_parser", "generate_main", "main", "run"]
+if TYPE_CHECKING:
+    from kvtether.bench.replay import ReplayResult
+
+__all__ = ["StartStrategy", "build_parser", "generate_main", "main", "replay_scenario",
+           "run", "run_meta", "strategy_options"]
 
 logger = logging.getLogger(__name__)
+
+# How a strategy's servers are started: ``start_strategy``, or fakes in tests.
+StartStrategy = Callable[[Strategy, StrategyOptions], AbstractContextManager[Endpoints]]
 
 
 def _scenario_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("generated scenario (when --scenario is not given)")
-    g.add_argument("--sessions", type=int, default=8, help="agent sessions (default 8)")
+    g.add_argument("--sessions", type=int, default=None,
+                   help="agent sessions (default 8; with --concurrency: the highest level)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--turns", type=int, nargs=2, default=(4, 8), metavar=("MIN", "MAX"),
-                   help="model calls per session (default 4 8)")
+    g.add_argument("--turns", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="model calls per session (default 4 8; with --concurrency: 4 6)")
     g.add_argument("--context-tokens", type=int, default=2048,
                    help="sessions end at 75-100%% of this many prompt tokens (default 2048)")
     g.add_argument("--system-tokens", type=int, default=600,
                    help="shared system prompt + tool schemas (default 600)")
     g.add_argument("--max-output-tokens", type=int, default=128)
-    g.add_argument("--long-tools", type=int, default=2,
-                   help="tool calls drawn from the far tail, 540-900 s (default 2)")
+    g.add_argument("--long-tools", type=int, default=None,
+                   help="tool calls drawn from the far tail, 540-900 s (default 2; with "
+                   "--concurrency: 0)")
     g.add_argument("--stream-fraction", type=float, default=0.5,
                    help="share of sessions that stream (default 0.5)")
     g.add_argument("--arrival-s", type=float, default=60.0,
-                   help="mean workload seconds between session starts (default 60)")
+                   help="mean workload seconds between session starts (default 60; "
+                   "--concurrency ignores it)")
+
+
+def _scenario_defaults(args: argparse.Namespace, levels: Sequence[int] | None) -> None:
+    """Fill the generated scenario's size where no flag set it: a sweep (``levels``) gets
+    one session per slot of its highest level, shorter sessions and no far-tail tools, which
+    at level 1 would run back to back (a sweep measures load, not TTL handling)."""
+    if args.sessions is None:
+        args.sessions = max(levels) if levels else 8
+    if args.turns is None:
+        args.turns = (4, 6) if levels else (4, 8)
+    if args.long_tools is None:
+        args.long_tools = 0 if levels else 2
 
 
 def _generate(args: argparse.Namespace) -> Scenario:
@@ -99,20 +126,53 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--turn-timeout-s", type=float, default=900.0)
     parser.add_argument("--state-dir", type=Path, default=Path(".kvtether/bench"))
     parser.add_argument("--out", type=Path, default=None,
-                        help="results directory (default .kvtether/bench/results-<time>)")
+                        help="results directory (default .kvtether/bench/results-<time>; "
+                        "with --concurrency: sweep-<time>)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=None, metavar="N",
+        help="concurrency sweep: replay the scenario once per level N, in the order given, "
+        "on each strategy (started once), at most N sessions at a time, each starting as soon "
+        "as a slot is free (arrival times ignored, tool and think gaps kept); writes "
+        "sweep.json, sweep.md and sweep.png. A generated scenario then defaults to as many "
+        "sessions as the highest level, --turns 4 6 and --long-tools 0 (far-tail tools would "
+        "run back to back at level 1), sized for `--strategies colocated kvtether "
+        "--concurrency 1 4 16` to finish in about half an hour on a 2-core CPU host")
     _scenario_args(parser)
     return parser
 
 
-def run(args: argparse.Namespace, scenario: Scenario, command: str) -> dict[str, Any]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    opts = StrategyOptions(
+def strategy_options(args: argparse.Namespace) -> StrategyOptions:
+    return StrategyOptions(
         profile=args.profile, compress=args.compress, port=args.port, state_dir=args.state_dir,
         prefill_prefix_caching=args.prefill_cache, max_retained_tokens=args.max_retained_tokens,
         baseline_connector=args.baseline_connector,
     )
+
+
+def run_meta(args: argparse.Namespace, scenario: Scenario, command: str,
+             reference: str | None) -> dict[str, Any]:
+    """What a results file says about how the run was made."""
+    return {
+        "command": command,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": f"{platform.node()} ({platform.machine()}, {_cpu_count()} cores)",
+        "profile": args.profile,
+        "compress": args.compress,
+        "fixed_ttl_s": FIXED_TTL_S,
+        "prefill_prefix_caching": args.prefill_cache,
+        "baseline_connector": args.baseline_connector,
+        "reference": reference,
+        "scenario": {"name": scenario.name, "source": scenario.source},
+        "scenario_summary": scenario.summary(FIXED_TTL_S),
+    }
+
+
+def run(args: argparse.Namespace, scenario: Scenario, command: str, *,
+        start: StartStrategy = start_strategy) -> dict[str, Any]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    opts = strategy_options(args)
     run_id = uuid.uuid4().hex[:8]
     strategies: dict[str, dict[str, Any]] = {}
     turns_by_strategy: dict[str, list[Any]] = {}
@@ -125,10 +185,11 @@ def run(args: argparse.Namespace, scenario: Scenario, command: str) -> dict[str,
             strategy = STRATEGIES[name]
             task = tasks[name]
             progress.update(task, description=f"{name}: starting")
-            with start_strategy(strategy, opts) as endpoints:
+            with start(strategy, opts) as endpoints:
                 progress.update(task, description=f"{name}: replaying")
-                replayed = asyncio.run(_replay(scenario, endpoints, strategy, args, run_id,
-                                               lambda n, t=task: progress.advance(t, n)))
+                replayed = asyncio.run(replay_scenario(
+                    scenario, endpoints, strategy, args, run_id,
+                    lambda n, t=task: progress.advance(t, n)))
             progress.update(task, description=f"{name}: done")
             turns_by_strategy[name] = replayed.turns
             strategies[name] = {"replay": replayed, "endpoints": endpoints}
@@ -152,20 +213,7 @@ def run(args: argparse.Namespace, scenario: Scenario, command: str) -> dict[str,
             "kv": kv,
         }
     return {
-        "run": {
-            "command": command,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host": f"{platform.node()} ({platform.machine()}, "
-                    f"{_cpu_count()} cores)",
-            "profile": args.profile,
-            "compress": args.compress,
-            "fixed_ttl_s": FIXED_TTL_S,
-            "prefill_prefix_caching": args.prefill_cache,
-            "baseline_connector": args.baseline_connector,
-            "reference": reference,
-            "scenario": {"name": scenario.name, "source": scenario.source},
-            "scenario_summary": scenario.summary(FIXED_TTL_S),
-        },
+        "run": run_meta(args, scenario, command, reference),
         "summary": summary,
         "targets": report.targets(summary),
         "strategies": detail,
@@ -178,14 +226,17 @@ def _cpu_count() -> int:
     return os.cpu_count() or 1
 
 
-async def _replay(scenario: Scenario, endpoints: Any, strategy: Any,
-                  args: argparse.Namespace, run_id: str, advance: Any) -> Any:
+async def replay_scenario(scenario: Scenario, endpoints: Endpoints, strategy: Strategy,
+                          args: argparse.Namespace, run_id: str,
+                          advance: Callable[[int], None],
+                          concurrency: int | None = None) -> ReplayResult:
+    """One replay of ``scenario`` with the bench's options and drain cap."""
     from kvtether.bench.replay import replay
 
     return await replay(
         scenario, endpoints, strategy, compress=args.compress, run_id=run_id,
         drain_cap_s=FIXED_TTL_S / args.compress + 15.0, timeout_s=args.turn_timeout_s,
-        advance=advance,
+        advance=advance, concurrency=concurrency,
     )
 
 
@@ -214,12 +265,21 @@ def _print_table(result: dict[str, Any]) -> None:
         console.print(f"  {row['target']}: {row['measured']} (goal {row['goal']}) {met}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, start: StartStrategy = start_strategy) -> int:
+    """``kvtether bench``; ``start`` starts each strategy's servers (tests pass fakes)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.compress <= 0:
         parser.error("--compress must be > 0")
+    levels = args.concurrency
+    if levels is not None:
+        if any(n < 1 for n in levels):
+            parser.error(f"--concurrency levels must be at least 1 (got {min(levels)}): a "
+                         "level is how many sessions may run at the same time")
+        if len(set(levels)) != len(levels):
+            parser.error("--concurrency levels must differ (each level is replayed once)")
+    _scenario_defaults(args, levels)
     if args.sessions < 1:
         parser.error("--sessions must be at least 1")
     try:
@@ -227,9 +287,17 @@ def main(argv: list[str] | None = None) -> int:
                     if args.scenario else _generate(args))
     except (ScenarioError, ValueError) as exc:
         parser.error(str(exc))
-    out = args.out or args.state_dir / f"results-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     command = "kvtether bench " + shlex.join(argv)
-    result = run(args, scenario, command)
+    if levels is not None:
+        from kvtether.bench import sweep
+
+        out = args.out or args.state_dir / f"sweep-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+        scenario.save(out / "scenario.json")
+        paths = sweep.sweep_main(args, scenario, command, levels, out, start=start)
+        print("results: " + ", ".join(str(p) for p in [out / "scenario.json", *paths]))
+        return 0
+    out = args.out or args.state_dir / f"results-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    result = run(args, scenario, command, start=start)
     scenario.save(out / "scenario.json")
     paths = report.write_results(result, out)
     if not args.no_plots:
@@ -247,6 +315,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="scenario file to write")
     _scenario_args(parser)
     args = parser.parse_args(argv)
+    _scenario_defaults(args, None)
     try:
         scenario = _generate(args)
     except ValueError as exc:

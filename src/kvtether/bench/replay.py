@@ -1,11 +1,14 @@
 """Replay a scenario's sessions concurrently through the OpenAI SDK, as agents would.
 
-Each session is one agent: it appends its turn's messages, calls the model (streamed or not, as
-the scenario says), appends the model's own answer, then waits out the gap (a tool running, a
-person thinking), every duration divided by the time-compression factor. For the ``kvtether``
-strategy the OpenAI client is wrapped by :class:`kvtether.AsyncSession`, the tool gaps run inside
-``session.tool_call(...)`` (heartbeats renew the lease) and the session is closed (its KV
-released) at the end; the other strategies use the plain SDK, the way they are deployed.
+Sessions start at their scenario arrival times, or, with ``concurrency=N`` (the bench's
+concurrency sweep), in scenario order as soon as one of N slots is free: at most N sessions run
+at once and arrival times are ignored. Each session is one agent: it appends its turn's
+messages, calls the model (streamed or not, as the scenario says), appends the model's own
+answer, then waits out the gap (a tool running, a person thinking), every duration divided by
+the time-compression factor. For the ``kvtether`` strategy the OpenAI client is wrapped by
+:class:`kvtether.AsyncSession`, the tool gaps run inside ``session.tool_call(...)`` (heartbeats
+renew the lease) and the session is closed (its KV released) at the end; the other strategies
+use the plain SDK, the way they are deployed.
 
 Per turn it records TTFT (streamed turns: first token), latency, prompt and output token ids
 (``return_token_ids``), the cached tokens the server reports and the router's outcome label,
@@ -22,7 +25,7 @@ import hashlib
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,12 +170,12 @@ async def _session(
     compress: float, run_id: str, t0: float, results: list[TurnResult],
     advance: Callable[[int], None], timeout_s: float,
 ) -> int:
-    """One agent session; returns how many of its turns did not run after a failure."""
+    """One agent session, from its first turn; returns how many of its turns did not run
+    after a failure."""
     from openai import AsyncOpenAI
 
     from kvtether import AsyncSession
 
-    await asyncio.sleep(max(0.0, t0 + s.start_s / compress - time.monotonic()))
     cid = f"bench-{run_id}-{s.id}"
     http = httpx.AsyncClient(trust_env=False, timeout=timeout_s)
     client: Any = AsyncOpenAI(base_url=endpoints.openai_base_url, api_key="-", max_retries=0,
@@ -233,6 +236,34 @@ async def _session(
         await http.aclose()
 
 
+async def _on_arrival(sessions: list[ScenarioSession],
+                      run_session: Callable[[ScenarioSession], Awaitable[int]], t0: float,
+                      compress: float) -> list[int]:
+    """Each session at its (compressed) arrival time, all of them concurrently."""
+
+    async def arrive(s: ScenarioSession) -> int:
+        await asyncio.sleep(max(0.0, t0 + s.start_s / compress - time.monotonic()))
+        return await run_session(s)
+
+    return list(await asyncio.gather(*(arrive(s) for s in sessions)))
+
+
+async def _in_slots(sessions: list[ScenarioSession],
+                    run_session: Callable[[ScenarioSession], Awaitable[int]],
+                    slots: int) -> list[int]:
+    """The sessions in order, at most ``slots`` at once: a slot takes the next session as soon
+    as its previous one has ended (one shared iterator, so no session runs twice)."""
+    pending = iter(sessions)
+    not_run: list[int] = []
+
+    async def slot() -> None:
+        for s in pending:
+            not_run.append(await run_session(s))
+
+    await asyncio.gather(*(slot() for _ in range(min(slots, len(sessions)))))
+    return not_run
+
+
 async def replay(
     scenario: Scenario,
     endpoints: Endpoints,
@@ -244,8 +275,16 @@ async def replay(
     drain_cap_s: float = 60.0,
     timeout_s: float = 900.0,
     advance: Callable[[int], None] = lambda n: None,
+    concurrency: int | None = None,
 ) -> ReplayResult:
-    """Run every session of ``scenario`` against ``endpoints``; see the module docstring."""
+    """Run every session of ``scenario`` against ``endpoints``; see the module docstring.
+
+    ``concurrency``: None starts each session at its arrival time; N runs the sessions in
+    scenario order, at most N at once. ``run_id`` goes into every conversation id, so two
+    replays with different ids never share a conversation's KV.
+    """
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, not {concurrency}")
     out = ReplayResult()
     async with httpx.AsyncClient(trust_env=False, timeout=30.0) as probe:
         for url in endpoints.kv_urls:
@@ -255,12 +294,16 @@ async def replay(
         stop = asyncio.Event()
         sampling = asyncio.create_task(sampler.run(probe, stop))
         t0 = sampler.t0
+
+        def run_session(s: ScenarioSession) -> Awaitable[int]:
+            return _session(s, scenario, endpoints, strategy, compress, run_id, t0, out.turns,
+                            advance, timeout_s)
+
         try:
-            not_run = await asyncio.gather(*(
-                _session(s, scenario, endpoints, strategy, compress, run_id, t0, out.turns,
-                         advance, timeout_s)
-                for s in scenario.sessions
-            ))
+            if concurrency is None:
+                not_run = await _on_arrival(scenario.sessions, run_session, t0, compress)
+            else:
+                not_run = await _in_slots(scenario.sessions, run_session, concurrency)
             out.not_run = sum(not_run)
             out.wall_s = time.monotonic() - t0
             # Held KV after the last turn counts too (a fixed TTL's tail): wait until it is

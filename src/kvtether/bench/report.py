@@ -1,12 +1,15 @@
-"""What `kvtether bench` writes: results JSON, a markdown table, three PNG plots."""
+"""What `kvtether bench` writes: results JSON, a markdown table, three PNG plots; for a
+concurrency sweep (``--concurrency``), sweep JSON, a markdown table and one two-panel plot."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TARGETS", "render_markdown", "targets", "write_plots", "write_results"]
+__all__ = ["TARGETS", "render_markdown", "render_sweep_markdown", "targets", "write_plots",
+           "write_results", "write_sweep", "write_sweep_plot"]
 
 COLORS = {"colocated": "#555555", "pd-oneway": "#ef6c00", "pd-upstream": "#1565c0",
           "kvtether": "#2e7d32"}
@@ -52,11 +55,10 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 TARGETS = targets  # the name the docs use
 
 
-def render_markdown(result: dict[str, Any]) -> str:
-    s = result["summary"]
-    meta = result["run"]
-    lines = [
-        f"# kvtether bench — {meta['scenario']['name']}",
+def _run_lines(meta: dict[str, Any], title: str) -> list[str]:
+    """Title, command, setup and scenario: how a results file's figures were made."""
+    return [
+        f"# {title} — {meta['scenario']['name']}",
         "",
         f"Command: `{meta['command']}`",
         "",
@@ -69,6 +71,14 @@ def render_markdown(result: dict[str, Any]) -> str:
         "",
         "Scenario: " + ", ".join(f"{k} {v}" for k, v in meta["scenario_summary"].items()) + ".",
         "",
+    ]
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    s = result["summary"]
+    meta = result["run"]
+    lines = [
+        *_run_lines(meta, "kvtether bench"),
         "| strategy | reuse fired / eligible | TTFT p50 / p90 / p99 (s) | latency p50 (s) "
         "| prompt tokens recomputed | of which reusable | retained KV token-s (workload) "
         "| divergent / compared | failed | turns/s |",
@@ -114,22 +124,32 @@ def write_results(result: dict[str, Any], out: Path) -> list[Path]:
 
 
 def _save(plt: Any, fig: Any, ax: Any, path: Path) -> Path:
-    """Legend (if anything is labelled), write the PNG, free the figure."""
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
+    """Legend on each axes (``ax``: one or a list) where anything is labelled, write the PNG,
+    free the figure."""
+    for a in ax if isinstance(ax, list) else [ax]:
+        if a.get_legend_handles_labels()[0]:
+            a.legend()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
 
-def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
-    """reuse_by_turn.png, ttft_cdf.png, retained_kv.png; [] when matplotlib is missing."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or None when matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
+    """reuse_by_turn.png, ttft_cdf.png, retained_kv.png; [] when matplotlib is missing."""
+    plt = _pyplot()
+    if plt is None:
         return []
     out.mkdir(parents=True, exist_ok=True)
     compress = result["run"]["compress"]
@@ -169,3 +189,91 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
            title="Retained KV over time")
     paths.append(_save(plt, fig, ax, out / "retained_kv.png"))
     return paths
+
+
+# --- concurrency sweep -----------------------------------------------------------------------
+def render_sweep_markdown(result: dict[str, Any]) -> str:
+    meta = result["run"]
+    lines = [
+        *_run_lines(meta, "kvtether bench concurrency sweep"),
+        "Levels " + ", ".join(str(n) for n in meta["levels"]) + ": at level N at most N "
+        "sessions run at a time, each starting as soon as a slot is free, in scenario order "
+        "(arrival times ignored, tool and think gaps kept). Each strategy was started once and "
+        "replayed the scenario at every level in this order, each level with its own "
+        "conversation ids.",
+        "",
+        "| concurrency | strategy | TTFT p50 / p99 (s) | turns/s | reuse fired / eligible "
+        "| failed | divergent / compared |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        div = "ref" if row["strategy"] == meta.get("reference") else (
+            f"{_fmt(row['divergent_outputs'])} / {row['compared_outputs']}")
+        lines.append(
+            f"| {row['concurrency']} | {row['strategy']} | {_fmt(row['ttft_p50_s'])} / "
+            f"{_fmt(row['ttft_p99_s'])} | {_fmt(row['turns_per_s'])} | "
+            f"{row['fired_turns']}/{row['eligible_turns']} | {row['failed_turns']} | {div} |"
+        )
+    ratios = result.get("ttft_p50_ratios") or []
+    if ratios:
+        lines += ["", "| concurrency | TTFT p50, kvtether / colocated |", "|---|---|"]
+        for r in ratios:
+            ratio = r["kvtether_over_colocated_ttft_p50"]
+            lines.append(f"| {r['concurrency']} | {'-' if ratio is None else f'{ratio:.2f}x'} |")
+    lines += [
+        "",
+        "TTFT: streamed turns 2+ (time to the first token through the SDK). turns/s: turns "
+        "that completed over the level's wall time, first session start to last session end. "
+        "Reuse fired / eligible as in the plain bench (README, \"Benchmark: four "
+        "strategies\"); divergent: outputs that differ from colocated's at the same level.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_sweep(result: dict[str, Any], out: Path) -> list[Path]:
+    """sweep.json (every row, every turn) and sweep.md (the table)."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "sweep.json", out / "sweep.md"]
+    paths[0].write_text(json.dumps(result, indent=1) + "\n")
+    paths[1].write_text(render_sweep_markdown(result))
+    return paths
+
+
+def write_sweep_plot(result: dict[str, Any], out: Path) -> list[Path]:
+    """sweep.png: TTFT p50 and p99, and turns/s, against the level, one line per strategy;
+    [] when matplotlib is missing."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    out.mkdir(parents=True, exist_ok=True)
+    by_strategy: dict[str, list[dict[str, Any]]] = {}
+    for row in result["rows"]:
+        by_strategy.setdefault(row["strategy"], []).append(row)
+    levels = sorted({row["concurrency"] for row in result["rows"]})
+
+    def values(rows: list[dict[str, Any]], key: str) -> list[float]:
+        return [math.nan if r[key] is None else r[key] for r in rows]
+
+    fig, (ttft, rate) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, rows in by_strategy.items():
+        rows = sorted(rows, key=lambda r: r["concurrency"])
+        xs = [r["concurrency"] for r in rows]
+        color = COLORS.get(name)
+        ttft.plot(xs, values(rows, "ttft_p50_s"), marker="o", color=color, label=f"{name} p50")
+        ttft.plot(xs, values(rows, "ttft_p99_s"), marker="s", linestyle="--", color=color,
+                  label=f"{name} p99")
+        rate.plot(xs, values(rows, "turns_per_s"), marker="o", color=color, label=name)
+    log = any(r["ttft_p99_s"] for r in result["rows"])  # log of nothing positive warns
+    if log:
+        ttft.set_yscale("log")
+    ttft.set(ylabel=f"TTFT, streamed turns 2+ (s{', log' if log else ''})",
+             title="TTFT vs concurrency")
+    rate.set(ylabel="turns/s", ylim=(0, None), title="Throughput vs concurrency")
+    for ax in (ttft, rate):
+        if len(levels) > 1 and levels[-1] / levels[0] >= 4:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(n) for n in levels])
+        ax.set_xlabel("concurrency (sessions at a time)")
+    fig.tight_layout()
+    return [_save(plt, fig, [ttft, rate], out / "sweep.png")]
