@@ -36,6 +36,7 @@ __all__ = [
     "HEADER_SALVAGED_TOKENS",
     "HEADER_ROUTER",
     "HEADER_REUSABLE_TOKENS",
+    "HEADER_TIMINGS",
     "KVTETHER_BODY_FIELDS",
     "Phase",
     "MissCause",
@@ -47,6 +48,7 @@ __all__ = [
     "TurnRecord",
     "TurnTimings",
     "EngineTimings",
+    "parse_timings_header",
     "SessionStatus",
     "ErrorBody",
     "error_body",
@@ -108,6 +110,9 @@ HEADER_REUSED_TOKENS = "X-KVTether-Reused-Tokens"  # prompt tokens served from c
 # Prompt tokens that repeat the sequence the conversation's previous finished turn built
 # (its prompt + output): the most this turn could have reused.
 HEADER_REUSABLE_TOKENS = "X-KVTether-Reusable-Tokens"
+# Where the turn's time went before decode began (TurnTimings.header_value()): the stages known
+# when the answer starts, "stage=seconds;...".
+HEADER_TIMINGS = "X-KVTether-Timings"
 HEADER_PROMPT_TOKENS = "X-KVTether-Prompt-Tokens"
 HEADER_TURN = "X-KVTether-Turn"  # 1-based turn index within the conversation
 HEADER_DECODE_INSTANCE = "X-KVTether-Decode-Instance"
@@ -358,6 +363,22 @@ class TurnTimings(BaseModel):
                 out.update({f"{leg}_{k[:-2]}": v for k, v in engine.model_dump().items()
                             if v is not None})
         return out
+
+    def header_value(self) -> str:
+        """:data:`HEADER_TIMINGS`: ``stage=seconds`` pairs joined by ``;`` (ms precision)."""
+        return ";".join(f"{k}={v:.3f}" for k, v in self.stages().items())
+
+
+def parse_timings_header(value: str | None) -> dict[str, float]:
+    """``stage -> seconds`` from :data:`HEADER_TIMINGS`; malformed pairs are skipped."""
+    out: dict[str, float] = {}
+    for pair in (value or "").split(";"):
+        name, _, seconds = pair.partition("=")
+        try:
+            out[name.strip()] = float(seconds)
+        except ValueError:
+            continue
+    return {k: v for k, v in out.items() if k and v >= 0}
 
 
 class TurnRecord(BaseModel):

@@ -33,6 +33,9 @@ async def test_each_turn_records_where_its_time_went(stream: bool) -> None:
             assert (t.decode_first_token_s is not None) is stream
             if stream:
                 assert t.decode_first_token_s <= turn.ttft_s
+        # The stages known when the answer starts also travel in a header (for the client).
+        sent = p.parse_timings_header(agent.turns[-1].headers[p.HEADER_TIMINGS])
+        assert {"router_wait", "plan", "prefill_leg", "prefill_queue", "prefill_read"} <= set(sent)
         # Turn 2 read decode's KV; turn 1 had nothing to read.
         assert status.turns[0].timings.prefill.read_s is None
         assert status.turns[1].timings.prefill.read_s == 0.001

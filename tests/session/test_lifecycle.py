@@ -138,3 +138,23 @@ def test_report_shows_each_turn_and_the_totals(
     assert lines[2].split()[:2] == ["1", "miss:first_turn"] and "grep" in lines[2]
     assert lines[3].split()[:2] == ["2", "fired"] and lines[3].endswith("extends")
     assert lines[4].startswith("fired 1/1 eligible turns (100%), 2 in all")
+
+
+def test_report_says_where_later_turns_time_went() -> None:
+    from kvtether import protocol as p
+    from kvtether.session._records import Turn
+    from kvtether.session._report import format_report
+
+    header = p.TurnTimings(router_wait_s=0.0, plan_s=0.1, prefill_leg_s=0.9,
+                           prefill=p.EngineTimings(queue_s=0.3, read_s=0.02, engine_s=0.8),
+                           ).header_value()
+    timings = p.parse_timings_header(header + ";bogus;x=nan-ish")
+    assert timings == {"router_wait": 0.0, "plan": 0.1, "prefill_leg": 0.9,
+                       "prefill_queue": 0.3, "prefill_read": 0.02, "prefill_engine": 0.8}
+    turns = [Turn(turn=1, endpoint="chat", stream=True, ttft_s=3.0, timings=timings)]
+    turns += [Turn(turn=i, endpoint="chat", stream=True, ttft_s=1.5, timings=timings)
+              for i in (2, 3)]
+    last = format_report("c", None, turns, []).splitlines()[-1]
+    assert last == ("where turn 2+ time went (median of 2): TTFT 1.50 s · waiting for the "
+                    "conversation 0.00 s · tokenize 0.10 s · prefill 0.90 s (queue 0.30 s, "
+                    "KV read 0.02 s) · decode to first token 0.50 s")

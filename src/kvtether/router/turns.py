@@ -383,6 +383,7 @@ class TurnRunner:
             "X-Request-Id": req.request_id,
         }
         h[p.HEADER_REUSABLE_TOKENS] = str(record.reusable_tokens)
+        h[p.HEADER_TIMINGS] = record.timings.header_value()
         if plan.cause == p.MissCause.PREFIX_BREAK:
             h[p.HEADER_SALVAGED_TOKENS] = str(plan.salvaged_tokens)
         if req.conversation_id:

@@ -20,9 +20,11 @@ from kvtether.protocol import (
     HEADER_REUSABLE_TOKENS,
     HEADER_REUSE,
     HEADER_REUSED_TOKENS,
+    HEADER_TIMINGS,
     HEADER_TURN,
     TurnHints,
     parse_reuse_header,
+    parse_timings_header,
 )
 from kvtether.session._records import PrefixCheck, PrefixStatus, Turn
 
@@ -260,6 +262,7 @@ class Exchange:
             error=self.error,
             attempts=self.attempts,
             completed=self.completed,
+            timings=parse_timings_header(h.get(HEADER_TIMINGS)),
         )
 
     @property

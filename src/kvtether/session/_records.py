@@ -82,6 +82,9 @@ class Turn:
     error: str | None = None
     attempts: int = 1  # >1 when the SDK retried this request
     completed: bool = True  # False when the caller stopped reading a stream early
+    # Where the router says the time before decode went (X-KVTether-Timings): stage -> seconds
+    # (router_wait, plan, prefill_leg, prefill_queue, prefill_read, prefill_engine).
+    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def prefix_status(self) -> str:

@@ -87,7 +87,38 @@ def format_report(
             f"next-prompt prediction: median error {statistics.median(errors):.1%} "
             f"over {len(errors)} turns"
         )
+    if (where := _where_time_went(turns)) is not None:
+        lines.append(where)
     if events:
         counts = Counter(e.kind.value for e in events)
         lines.append("events: " + ", ".join(f"{k} x{n}" for k, n in counts.items()))
     return "\n".join(lines)
+
+
+def _where_time_went(turns: Sequence[Turn]) -> str | None:
+    """Median of each stage before the first token over turns 2+ (the router's
+    X-KVTether-Timings), and what remained of the client's TTFT: decode to its first token."""
+    later = [t for t in turns[1:] if t.timings and t.ttft_s is not None]
+    if not later:
+        return None
+
+    def med(values: list[float]) -> str:
+        return f"{statistics.median(values):.2f} s"
+
+    def stage(name: str) -> list[float]:
+        return [t.timings[name] for t in later if name in t.timings]
+
+    parts = [f"TTFT {med([t.ttft_s for t in later if t.ttft_s is not None])}"]
+    for label, name in (("waiting for the conversation", "router_wait"),
+                        ("tokenize", "plan"), ("prefill", "prefill_leg")):
+        if values := stage(name):
+            parts.append(f"{label} {med(values)}")
+    inside = [f"{label} {med(values)}" for label, name in (
+        ("queue", "prefill_queue"), ("KV read", "prefill_read")) if (values := stage(name))]
+    if inside:
+        parts[-1] += f" ({', '.join(inside)})"
+    before = [sum(t.timings.get(k, 0.0) for k in ("router_wait", "plan", "prefill_leg"))
+              for t in later]
+    rest = [t.ttft_s - b for t, b in zip(later, before, strict=True) if t.ttft_s is not None]
+    parts.append(f"decode to first token {med(rest)}")
+    return f"where turn 2+ time went (median of {len(later)}): " + " · ".join(parts)
