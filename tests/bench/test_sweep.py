@@ -228,3 +228,23 @@ def test_without_a_sweep_the_scenario_defaults_are_unchanged(tmp_path: Path) -> 
     assert len(s.sessions) == 8 and s.source["long_tools"] == 2
     assert all(4 <= len(x.turns) <= 8 for x in s.sessions)
     assert "--concurrency" in compare.build_parser().format_help()
+
+
+def test_where_turn_2_plus_time_went_is_summarized_per_strategy() -> None:
+    from kvtether.bench.metrics import TurnResult, summarize
+    from kvtether.bench.report import stage_table
+
+    def turn(n: int, prefill_s: float) -> TurnResult:
+        return TurnResult(session="s", turn=n, stream=True, started_s=0.0, ttft_s=1.0,
+                          timings={"plan": 0.1, "prefill_leg": prefill_s})
+
+    m = summarize("kvtether", [turn(1, 9.0), turn(2, 1.0), turn(3, 3.0)], [], wall_s=1.0,
+                  drain_s=0.0, compress=1.0, not_run=0)
+    assert m.stage_p50_s == {"plan": 0.1, "prefill_leg": 2.0}  # turns 2+ only
+    colocated = summarize("colocated", [turn(2, 1.0)], [], wall_s=1.0, drain_s=0.0,
+                          compress=1.0, not_run=0)
+    colocated.stage_p50_s = None  # no router: nothing to break down
+    lines = stage_table({"colocated": colocated.as_dict(), "kvtether": m.as_dict()})
+    assert [line for line in lines if line.startswith("| kvtether |")] == [
+        "| kvtether | - | 0.100 | 2.000 | - | - | - | - | - | - |"]
+    assert not any(line.startswith("| colocated |") for line in lines)

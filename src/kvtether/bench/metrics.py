@@ -45,6 +45,9 @@ class TurnResult:
     gap_kind: str = "end"
     gap_s: float = 0.0
     error: str | None = None
+    # Where the turn's time went, from the router's turn record (P/D strategies): stage ->
+    # seconds (protocol.TurnTimings.stages()).
+    timings: dict[str, float] | None = None
 
     @property
     def recomputed_tokens(self) -> int:
@@ -107,6 +110,8 @@ class StrategyMetrics:
     wall_s: float
     drain_s: float
     turns_per_s: float
+    # Median seconds of each stage over turns 2+ (P/D strategies; TurnTimings.stages()).
+    stage_p50_s: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -160,7 +165,16 @@ def summarize(
         wall_s=round(wall_s, 2),
         drain_s=round(drain_s, 2),
         turns_per_s=round(len(ok) / wall_s, 4) if wall_s > 0 else math.nan,
+        stage_p50_s=_stage_medians(later),
     )
+
+
+def _stage_medians(turns: list[TurnResult]) -> dict[str, float] | None:
+    stages: dict[str, list[float]] = {}
+    for t in turns:
+        for name, seconds in (t.timings or {}).items():
+            stages.setdefault(name, []).append(seconds)
+    return {name: _q(v, 50) for name, v in stages.items()} or None  # type: ignore[misc]
 
 
 def mark_divergence(reference: list[TurnResult], others: list[TurnResult]) -> None:

@@ -231,9 +231,28 @@ async def _session(
                 await asyncio.sleep(gap)
         return 0
     finally:
+        if endpoints.router_url is not None:
+            await _attach_timings(http, endpoints.router_url, cid, s.id, results)
         if session is not None:
             await session.aclose()
         await http.aclose()
+
+
+async def _attach_timings(http: httpx.AsyncClient, router_url: str, cid: str, session_id: str,
+                          results: list[TurnResult]) -> None:
+    """Each turn's :class:`~kvtether.protocol.TurnTimings`, from the router's records."""
+    try:
+        r = await http.get(f"{router_url}/v1/sessions/{cid}")
+        status = p.SessionStatus.model_validate(r.json()) if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError) as exc:
+        logger.warning("turn timings of %s not read: %r", cid, exc)
+        return
+    if status is None:
+        return
+    by_turn = {t.turn: t.timings.stages() for t in status.turns}
+    for result in results:
+        if result.session == session_id and result.error is None:
+            result.timings = by_turn.get(result.turn)
 
 
 async def _on_arrival(sessions: list[ScenarioSession],

@@ -95,6 +95,7 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"{m['recomputed_reusable_tokens']} | {m['retained_kv_token_s_workload']:.0f} | "
             f"{div} | {m['failed_turns']} | {_fmt(m['turns_per_s'])} |"
         )
+    lines += stage_table(s)
     rows = targets(s)
     if rows:
         lines += ["", "Targets for kvtether in this run:", "",
@@ -192,6 +193,24 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
 
 
 # --- concurrency sweep -----------------------------------------------------------------------
+# The stages of protocol.TurnTimings, in the order a turn goes through them.
+STAGES = ("router_wait", "plan", "prefill_leg", "prefill_queue", "prefill_read",
+          "prefill_engine", "decode_first_token", "decode_queue", "decode_read")
+
+
+def stage_table(summary: dict[str, dict[str, Any]], label: str = "") -> list[str]:
+    """Where turn 2+ time went (median seconds per stage), one row per P/D strategy."""
+    rows = {name: m["stage_p50_s"] for name, m in summary.items() if m.get("stage_p50_s")}
+    if not rows:
+        return []
+    lines = ["", f"Where turn 2+ time went{label} (median seconds; the router's turn records, "
+             "`TurnTimings`):", "", "| strategy | " + " | ".join(STAGES) + " |",
+             "|---" * (len(STAGES) + 1) + "|"]
+    for name, stages in rows.items():
+        lines.append(f"| {name} | " + " | ".join(_fmt(stages.get(k)) for k in STAGES) + " |")
+    return lines
+
+
 def render_sweep_markdown(result: dict[str, Any]) -> str:
     meta = result["run"]
     lines = [
@@ -214,6 +233,9 @@ def render_sweep_markdown(result: dict[str, Any]) -> str:
             f"{_fmt(row['ttft_p99_s'])} | {_fmt(row['turns_per_s'])} | "
             f"{row['fired_turns']}/{row['eligible_turns']} | {row['failed_turns']} | {div} |"
         )
+    for level in meta["levels"]:
+        at_level = {r["strategy"]: r for r in result["rows"] if r["concurrency"] == level}
+        lines += stage_table(at_level, f" at concurrency {level}")
     ratios = result.get("ttft_p50_ratios") or []
     if ratios:
         lines += ["", "| concurrency | TTFT p50, kvtether / colocated |", "|---|---|"]
