@@ -27,7 +27,14 @@ logger = logging.getLogger(__name__)
 # Releases started when a stream ends early; held here so they are not garbage-collected.
 _background: set[asyncio.Task[Any]] = set()
 
-__all__ = ["Settle", "TurnContext", "relay_once", "relay_stream"]
+__all__ = ["Settle", "TurnContext", "in_background", "relay_once", "relay_stream"]
+
+
+def in_background(work: Awaitable[Any]) -> None:
+    """Start ``work`` (a release nobody waits for) and keep it from being garbage-collected."""
+    task = asyncio.get_running_loop().create_task(work)  # type: ignore[arg-type]
+    _background.add(task)
+    task.add_done_callback(_background.discard)
 
 
 @dataclass
@@ -99,9 +106,7 @@ def relay_stream(
         finished = True
         decode.inflight -= 1
         if not settled and release_unsettled is not None:
-            task = asyncio.get_running_loop().create_task(release_unsettled())
-            _background.add(task)
-            task.add_done_callback(_background.discard)
+            in_background(release_unsettled())
         if conv is not None and held is not None:
             if not any(t is record for t in conv.turns):
                 conv.add_turn(record)

@@ -30,16 +30,13 @@ from kvtether.router.conversations import (
     StoreFencedError,
     StoreUnavailableError,
 )
-from kvtether.router.relay import TurnContext, relay_once, relay_stream
+from kvtether.router.relay import TurnContext, in_background, relay_once, relay_stream
 from kvtether.router.retention import Retention
 from kvtether.router.reuse import ReusePlan, plan_reuse, plan_upstream, reuse_outcome
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["TurnRequest", "TurnRunner"]
-
-# Releases of KV nobody will read, started without waiting for them; held against GC.
-_background: set[asyncio.Task[Any]] = set()
 
 
 @dataclass
@@ -243,10 +240,7 @@ class TurnRunner:
         holder = self.pool.by_name(taken.decode_instance)
         if holder is None or not taken.handle_key:
             return
-        task = asyncio.get_running_loop().create_task(
-            self.deps.leases.release(holder, taken.handle_key))
-        _background.add(task)
-        task.add_done_callback(_background.discard)
+        in_background(self.deps.leases.release(holder, taken.handle_key))
 
     def _pick_prefill(self, refused: set[str]) -> Backend:
         """The prefill instance for this turn, skipping those that refused it a connection."""
