@@ -268,3 +268,12 @@ async def test_transient_control_error_does_not_drop_the_lease(hc: Harness) -> N
     r = await hc.client.post("/v1/sessions/hb-500/heartbeat", json={})
     assert r.status_code != 410
     assert (await a.say("two")).outcome == "fired"
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+async def test_a_body_with_a_non_json_number_is_a_400(h, constant: str) -> None:
+    # Found by the fuzz test: Python's json reads these, then re-encoding the prefill leg's
+    # body for vLLM failed (500).
+    body = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "x": %s}' % constant
+    turn = await h.post("/v1/chat/completions", body, conv="nan")
+    assert turn.status == 400 and constant in turn.body["error"]["message"]

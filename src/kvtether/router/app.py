@@ -233,11 +233,16 @@ def _make_store(settings: RouterSettings, on_drop, clock: Clock,  # noqa: ANN001
     )
 
 
+def _no_constant(name: str) -> Any:
+    # Python's json accepts NaN / Infinity; JSON (and the request sent on to vLLM) does not.
+    raise ValueError(f"{name} is not a JSON number")
+
+
 async def _json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
         raise RouterHTTPError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise RouterHTTPError(400, "request body must be a JSON object")
