@@ -248,3 +248,16 @@ def test_where_turn_2_plus_time_went_is_summarized_per_strategy() -> None:
     assert [line for line in lines if line.startswith("| kvtether |")] == [
         "| kvtether | - | 0.100 | 2.000 | - | - | - | - | - | - |"]
     assert not any(line.startswith("| colocated |") for line in lines)
+
+
+def test_each_level_has_prompts_of_its_own_so_no_prefix_cache_carries_over() -> None:
+    # Found in a real sweep: colocated's prefix cache served levels 4 and 16 the whole prompts
+    # level 1 had computed (fresh conversation ids do not stop a cache that matches prompts).
+    from kvtether.bench.scenario import generate_scenario
+    from kvtether.bench.sweep import at_level
+
+    scenario = generate_scenario(sessions=2, seed=1)
+    one, four = at_level(scenario, 1), at_level(scenario, 4)
+    assert one.system_prompt != four.system_prompt
+    assert one.system_prompt.endswith(scenario.system_prompt)
+    assert one.sessions == four.sessions == scenario.sessions

@@ -68,7 +68,8 @@ def run_sweep(args: argparse.Namespace, scenario: Scenario, command: str,
                 for level in levels:
                     progress.update(task, description=f"{name}: {level} at a time")
                     replays[level][name] = asyncio.run(replay_scenario(
-                        scenario, endpoints, strategy, args, f"{run_id}-c{level}",
+                        at_level(scenario, level), endpoints, strategy, args,
+                        f"{run_id}-c{level}",
                         functools.partial(progress.advance, task), concurrency=level))
             progress.update(task, description=f"{name}: done")
 
@@ -98,6 +99,14 @@ def run_sweep(args: argparse.Namespace, scenario: Scenario, command: str,
         "ttft_p50_ratios": ttft_ratios(rows),
         "detail": detail,
     }
+
+
+def at_level(scenario: Scenario, level: int) -> Scenario:
+    """``scenario`` with a system prompt of its own per level: fresh conversation ids keep one
+    level from reading another's retained KV, but a prefix cache (colocated's) matches prompts,
+    not ids, and would serve a later level whole prompts an earlier one computed."""
+    return scenario.model_copy(update={
+        "system_prompt": f"Batch {level}.\n{scenario.system_prompt}"})
 
 
 def ttft_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
