@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -116,12 +117,18 @@ def render_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_results(result: dict[str, Any], out: Path) -> list[Path]:
+def _write(result: dict[str, Any], out: Path, stem: str,
+           render: Callable[[dict[str, Any]], str]) -> list[Path]:
+    """``<stem>.json`` (everything) and ``<stem>.md`` (``render``'s tables)."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "results.json", out / "results.md"]
+    paths = [out / f"{stem}.json", out / f"{stem}.md"]
     paths[0].write_text(json.dumps(result, indent=1) + "\n")
-    paths[1].write_text(render_markdown(result))
+    paths[1].write_text(render(result))
     return paths
+
+
+def write_results(result: dict[str, Any], out: Path) -> list[Path]:
+    return _write(result, out, "results", render_markdown)
 
 
 def _save(plt: Any, fig: Any, ax: Any, path: Path) -> Path:
@@ -255,11 +262,7 @@ def render_sweep_markdown(result: dict[str, Any]) -> str:
 
 def write_sweep(result: dict[str, Any], out: Path) -> list[Path]:
     """sweep.json (every row, every turn) and sweep.md (the table)."""
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "sweep.json", out / "sweep.md"]
-    paths[0].write_text(json.dumps(result, indent=1) + "\n")
-    paths[1].write_text(render_sweep_markdown(result))
-    return paths
+    return _write(result, out, "sweep", render_sweep_markdown)
 
 
 def write_sweep_plot(result: dict[str, Any], out: Path) -> list[Path]:
