@@ -52,6 +52,7 @@ import psutil
 
 from kvtether.bench._measure import percentile
 from kvtether.bench.workload import filler_text
+from kvtether.stack import _procs  # pid identity that survives wall-clock steps
 
 SYSTEM_PROMPT_TOKENS = 600
 MAX_TOOL_S = 60.0
@@ -188,10 +189,10 @@ class ProcessLike(Protocol):
 def _tree_rss(pid: int, create_time: float | None, *, children: bool) -> int | None:
     """RSS of ``pid`` (and its descendants: a vLLM API server's engine and workers) in bytes;
     None when it is gone or its pid now belongs to another process."""
+    if not _procs.is_alive(pid, create_time):
+        return None
     try:
         proc = psutil.Process(pid)
-        if create_time is not None and abs(proc.create_time() - create_time) > 0.01:
-            return None
         procs = [proc, *(proc.children(recursive=True) if children else ())]
     except psutil.Error:
         return None

@@ -175,8 +175,12 @@ async def test_upstream_hang_times_out(where: str, stream: bool) -> None:
     async with make_router(upstream_timeout_s=0.5) as h:
         (h.p if where == "prefill" else h.d).fail_next("hang")
         t = await h.post(CHAT, {**GOOD, "stream": stream}, conv="hang")
-        assert t.status in (502, 504)
-        assert_openai_error(t, t.status)
+        if where == "prefill":
+            # Decode answers alone (test_faults: the prefill leg's timeout).
+            assert t.status == 200
+        else:
+            assert t.status in (502, 504)
+            assert_openai_error(t, t.status)
         await h.client.get("/health")
         await assert_still_serves(h)
 

@@ -195,3 +195,23 @@ async def test_every_prefill_instance_refusing_keeps_decode_kv_for_the_retry() -
         await h.client.get("/health")  # the health probe takes them back
         assert (await a.say("two")).outcome == "fired"
         h.assert_kv_correct()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prefill_leg_past_its_timeout_is_answered_by_decode_alone(stream: bool) -> None:
+    async with make_router(control=True, prefill_leg_timeout_s=0.5) as h:
+        a = h.conversation("frozen")
+        assert (await a.say("one")).status == 200
+        h.p.fail_next("hang")  # a frozen prefill worker: its leg never answers
+        t = await a.say("two", stream=stream)
+        assert t.status == 200  # answered, in bounded time, by decode recomputing the prompt
+        assert t.outcome == "miss:transfer_failed"
+        assert h.d.decode_requests[-1].body.get("kv_transfer_params") is None
+        metrics = (await h.client.get("/metrics")).text
+        assert "kvtether_prefill_leg_timeouts_total 1.0" in metrics
+        rec = (await h.client.get("/v1/sessions/frozen")).json()["turns"][-1]
+        assert rec["prefill_instance"] is None and rec["timings"]["prefill_leg_s"] == 0.5
+        # Decode alone retained nothing; the next turn recomputes, the one after reads again.
+        assert (await a.say("three")).outcome == "miss:not_retained"
+        assert (await a.say("four")).outcome == "fired"
+        h.assert_kv_correct()

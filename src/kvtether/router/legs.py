@@ -21,7 +21,7 @@ from kvtether.router.backends import Backend, BackendPool
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "PrefillRefused", "PrefillResult", "engine_timings", "failure_kind", "json_or_502",
+    "PrefillRefused", "PrefillResult", "PrefillTimedOut", "engine_timings", "failure_kind", "json_or_502",
     "note_failure",
     "open_decode", "prefill",
     "prompt_ids", "tokenize",
@@ -53,7 +53,22 @@ class PrefillRefused(RouterHTTPError):
         self.backend = backend
 
 
-def _prefill_failed(backend: Backend, exc: httpx.HTTPError) -> RouterHTTPError:
+class PrefillTimedOut(RouterHTTPError):
+    """A prefill leg got no answer in time (a frozen worker, or a queue longer than the
+    router's ``prefill_leg_timeout_s``): the turn may still be answered by decode alone."""
+
+    def __init__(self, backend: Backend, timeout_s: float) -> None:
+        super().__init__(504, f"prefill instance {backend.name} did not answer the prefill leg "
+                              f"within {timeout_s:g} s", code="upstream_timeout")
+        self.backend = backend
+        self.timeout_s = timeout_s
+
+
+def _prefill_failed(
+    backend: Backend, exc: httpx.HTTPError, timeout_s: float | None = None
+) -> RouterHTTPError:
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        return PrefillTimedOut(backend, _read_timeout(backend, timeout_s))
     note_failure(backend, exc)
     if isinstance(exc, httpx.ConnectError):
         return PrefillRefused(backend)
@@ -108,9 +123,13 @@ async def tokenize(
 
 async def prefill(
     backend: Backend, endpoint: str, body: dict[str, Any], request_id: str,
-    handle: dict[str, Any] | None,
+    handle: dict[str, Any] | None, *, timeout_s: float | None = None,
 ) -> PrefillResult:
-    """Run the prompt on P (one token), reading ``handle`` from D when there is one."""
+    """Run the prompt on P (one token), reading ``handle`` from D when there is one.
+
+    ``timeout_s``: how long to wait for P's answer (it comes whole, at the end of the leg);
+    past it the request is dropped (vLLM aborts it) and :class:`PrefillTimedOut` raised.
+    """
     leg_body = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
     leg_body.update(max_tokens=1, n=1, return_token_ids=True)
     leg_body["kv_transfer_params"] = handle or dict(_FRESH_PREFILL_PARAMS)
@@ -118,10 +137,11 @@ async def prefill(
     backend.inflight += 1
     try:
         r = await backend.client.post(
-            endpoint, json=leg_body, headers={"X-Request-Id": request_id}
+            endpoint, json=leg_body, headers={"X-Request-Id": request_id},
+            **({"timeout": _leg_timeout(backend, timeout_s)} if timeout_s else {}),
         )
     except httpx.HTTPError as exc:
-        raise _prefill_failed(backend, exc) from None
+        raise _prefill_failed(backend, exc, timeout_s) from None
     finally:
         backend.inflight -= 1
     leg_s = time.perf_counter() - t0
@@ -143,6 +163,21 @@ async def prefill(
         leg_s=leg_s,
         engine=engine,
     )
+
+
+def _read_timeout(backend: Backend, timeout_s: float | None) -> float:
+    """How long a leg waits for P's answer: ``timeout_s``, or the client's own if shorter."""
+    own = backend.client.timeout.read
+    if timeout_s is None:
+        return own or 0.0
+    return min(timeout_s, own) if own is not None else timeout_s
+
+
+def _leg_timeout(backend: Backend, timeout_s: float) -> httpx.Timeout:
+    """The client's own timeouts, with reading (P's whole answer) bounded by ``timeout_s``."""
+    base = backend.client.timeout
+    return httpx.Timeout(connect=base.connect, read=_read_timeout(backend, timeout_s),
+                         write=base.write, pool=base.pool)
 
 
 def engine_timings(params: dict[str, Any] | None) -> p.EngineTimings | None:

@@ -50,6 +50,10 @@ class RouterMetrics:
             "kvtether_prefill_leg_seconds", "Prefill leg latency", buckets=_LATENCY_BUCKETS_S,
             registry=r,
         )
+        self.prefill_timeouts = Counter(
+            "kvtether_prefill_leg_timeouts", "Prefill legs dropped after prefill_leg_timeout_s "
+            "(their turns ran on decode alone)", registry=r,
+        )
         self.ttft_s = Histogram(
             "kvtether_ttft_seconds", "Time to first token (streamed turns)",
             buckets=_LATENCY_BUCKETS_S, registry=r,

@@ -132,6 +132,13 @@ class RouterSettings(RetentionSettings, AccessSettings, BaseSettings):
         "frees the KV at once, and a failed one is released, so a long hand-off holds nothing "
         "longer; 0: off)",
     )
+    prefill_leg_timeout_s: float = Field(
+        default=120.0, gt=0, allow_inf_nan=False,
+        description="longest wait for prefill's answer to a turn's prefill leg; past it the "
+        "router drops the leg (vLLM aborts it) and the turn runs on decode alone, which "
+        "recomputes its prompt (a frozen or hopelessly queued prefill never holds a turn "
+        "for minutes)",
+    )
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     upstream_connect_timeout_s: float = Field(default=30.0, gt=0)
     max_conversations: int = Field(default=100_000, ge=1)

@@ -147,8 +147,18 @@ class TurnRunner:
                 # Handed to P, so consumed (D frees the blocks once read); no release or
                 # eviction may touch it meanwhile.
                 taken = self.retention.take(conv)
+        leg: legs.PrefillResult | None
         try:
             leg = await self._prefill_leg(prefill, refused, req, plan.handle)
+        except legs.PrefillTimedOut as exc:
+            # A frozen or hopelessly queued prefill: decode answers alone (recomputing the
+            # prompt). A handle taken for the leg stays under its hand-off lease: P may still
+            # be reading it, and a read frees it.
+            logger.warning("%s; the turn of %s runs on decode alone", exc.message,
+                           req.conversation_id or "(no conversation)")
+            self.deps.metrics.prefill_timeouts.inc()
+            timings.prefill_leg_s = exc.timeout_s
+            leg = None
         except RouterHTTPError as exc:
             # The handle is unread: vLLM rejects bad requests (4xx) before scheduling them, and
             # a refused connection reached nobody; decode keeps it for the client's retry.
@@ -156,18 +166,21 @@ class TurnRunner:
             if taken is not None and unread and conv is not None:
                 self.retention.restore(conv, taken)
             raise
-        self.deps.metrics.prefill_leg_s.observe(leg.leg_s)
-        timings.prefill_leg_s, timings.prefill = leg.leg_s, leg.engine
-        if taken is not None and leg.pull == p.PullOutcome.FAILED.value:
+        if leg is not None:
+            self.deps.metrics.prefill_leg_s.observe(leg.leg_s)
+            timings.prefill_leg_s, timings.prefill = leg.leg_s, leg.engine
+        if taken is not None and leg is not None and leg.pull == p.PullOutcome.FAILED.value:
             # P recomputed instead (a declined or failed read): D still holds the KV under its
             # hand-off lease, which nobody will read now.
             self._release_unread(taken)
 
         kvtether = self.s.reuse_policy == "kvtether"
-        handle_key = uuid.uuid4().hex if kvtether else None
+        # Decode alone (no prefill leg) keeps nothing: vLLM retains only a P/D request's KV.
+        handle_key = uuid.uuid4().hex if kvtether and leg is not None else None
         body = dict(req.body)
         body["return_token_ids"] = True
-        body["kv_transfer_params"] = dict(leg.params)
+        if leg is not None:
+            body["kv_transfer_params"] = dict(leg.params)
         if handle_key is not None:
             # Only the kvtether connector reads these: the lease D holds this turn's KV under.
             body["kv_transfer_params"].update({
@@ -181,13 +194,16 @@ class TurnRunner:
         )
         if conv is not None:
             conv.decode_instance = decode.name
-        outcome = reuse_outcome(
-            plan, leg.prompt_token_ids, leg.cached_tokens, previous,
-            conversation=conv is not None,
-            decode_lost=had_retained and preferred not in (None, decode.name),
-            block_size=self.s.kv_block_size_tokens,
-            recompute_threshold_tokens=self.s.kv_recompute_threshold_tokens,
-        )
+        if leg is not None:
+            outcome = reuse_outcome(
+                plan, leg.prompt_token_ids, leg.cached_tokens, previous,
+                conversation=conv is not None,
+                decode_lost=had_retained and preferred not in (None, decode.name),
+                block_size=self.s.kv_block_size_tokens,
+                recompute_threshold_tokens=self.s.kv_recompute_threshold_tokens,
+            )
+        else:
+            outcome = _decode_alone_outcome(plan, conv is not None, previous)
         if store_down:
             outcome = p.ReuseOutcome.miss(p.MissCause.STORE_UNAVAILABLE, outcome.reused_tokens)
         record = p.TurnRecord(
@@ -195,9 +211,9 @@ class TurnRunner:
             outcome=outcome.label,
             reused_tokens=outcome.reused_tokens,
             reusable_tokens=outcome.reusable_tokens,
-            prompt_tokens=len(leg.prompt_token_ids),
+            prompt_tokens=len(leg.prompt_token_ids) if leg is not None else 0,
             stream=req.stream,
-            prefill_instance=leg.prefill.name,
+            prefill_instance=leg.prefill.name if leg is not None else None,
             decode_instance=decode.name,
             started_unix_s=received,
             timings=timings,
@@ -266,7 +282,7 @@ class TurnRunner:
         while True:
             try:
                 return await legs.prefill(prefill, req.endpoint, req.body, req.request_id,
-                                          handle)
+                                          handle, timeout_s=self.s.prefill_leg_timeout_s)
             except legs.PrefillRefused as exc:
                 prefill = self._instead_of_refused(refused, exc)
 
@@ -396,6 +412,22 @@ class TurnRunner:
             m.reuse_miss.labels(outcome.cause.value if outcome.cause else "unknown").inc()
         m.reused_tokens.inc(outcome.reused_tokens)
         m.prompt_tokens.inc(record.prompt_tokens)
+
+
+def _decode_alone_outcome(
+    plan: ReusePlan, conversation: bool, previous: list[int] | None
+) -> p.ReuseOutcome:
+    """A turn decode answered alone (its prefill leg timed out): nothing was reused; an
+    eligible turn lost what its handle covered."""
+    if not conversation:
+        return p.ReuseOutcome.miss(p.MissCause.NO_CONVERSATION_ID)
+    if previous is None:
+        return p.ReuseOutcome.miss(p.MissCause.FIRST_TURN)
+    if plan.cause is not None:  # nothing offered, or a salvage (prefix_break)
+        return p.ReuseOutcome.miss(plan.cause, 0, plan.salvaged_tokens)
+    if plan.handle is None:
+        return p.ReuseOutcome.miss(p.MissCause.NOT_RETAINED)
+    return p.ReuseOutcome.miss(p.MissCause.TRANSFER_FAILED, 0, plan.expected_reused_tokens)
 
 
 def _valid_handle(h: Any) -> bool:

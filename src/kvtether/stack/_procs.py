@@ -71,9 +71,45 @@ def spawn(
         )
 
 
-def create_time(pid: int) -> float | None:
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+# Below this a recorded start time counts from boot (this module's); above, it is a Unix time
+# (psutil's create_time, as earlier kvtether versions recorded it in stack.json).
+_UNIX_TIME_FLOOR = 1e9
+
+
+def _start_s(proc: psutil.Process) -> float:
+    """When ``proc`` started, in seconds since boot.
+
+    psutil's ``create_time`` adds the boot time to that, and Linux moves the boot time with
+    every step of the wall clock (NTP, a resumed VM): a 17 s step made a running stack's
+    processes look like strangers with reused pids, so ``stack down`` would have left them
+    running. The kernel's start tick does not move.
+    """
     try:
-        return float(psutil.Process(pid).create_time())
+        with open(f"/proc/{proc.pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19]) / _CLK_TCK
+    except FileNotFoundError:
+        raise psutil.NoSuchProcess(proc.pid) from None
+    except (OSError, ValueError, IndexError):  # no procfs: not Linux
+        return float(proc.create_time())
+
+
+def _is(proc: psutil.Process, started: float | None) -> bool:
+    """True unless ``started`` says ``proc``'s pid named another process then."""
+    if started is None:
+        return True
+    if started >= _UNIX_TIME_FLOOR:
+        return abs(proc.create_time() - started) <= 1.0
+    return abs(_start_s(proc) - started) <= 0.01
+
+
+def create_time(pid: int) -> float | None:
+    """When ``pid`` started (seconds since boot, immune to wall-clock steps); None if gone.
+    Give it back to :func:`is_alive` / :func:`stop_group` to tell the process from a pid
+    reused later."""
+    try:
+        return _start_s(psutil.Process(pid))
     except psutil.Error:
         return None
 
@@ -82,7 +118,7 @@ def is_alive(pid: int, started: float | None = None) -> bool:
     """True if ``pid`` runs (not a zombie) and, when given, was created at ``started``."""
     try:
         proc = psutil.Process(pid)
-        if started is not None and abs(proc.create_time() - started) > 0.01:
+        if not _is(proc, started):
             return False  # the pid was reused by an unrelated process
         return bool(proc.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
@@ -96,7 +132,7 @@ def _group_members(pgid: int, not_before: float | None) -> list[psutil.Process]:
         with contextlib.suppress(psutil.Error, OSError):
             if os.getpgid(proc.pid) != pgid:
                 continue
-            if not_before is None or proc.create_time() >= not_before - 0.01:
+            if not_before is None or _not_before(proc, not_before):
                 members.append(proc)
     return members
 
@@ -174,11 +210,16 @@ def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Pro
         time.sleep(0.05)
 
 
+def _not_before(proc: psutil.Process, started: float) -> bool:
+    """``proc`` started at ``started`` or later (a group member of the leader started then)."""
+    if started >= _UNIX_TIME_FLOOR:
+        return bool(proc.create_time() >= started - 1.0)
+    return _start_s(proc) >= started - 0.01
+
+
 def _pid_reused(pid: int, started: float | None) -> bool:
-    if started is None:
-        return False
     try:
-        return bool(abs(psutil.Process(pid).create_time() - started) > 0.01)
+        return not _is(psutil.Process(pid), started)
     except psutil.Error:
         return False
 
