@@ -487,7 +487,9 @@ class FakeVLLM:
         ``kv_transfer_params``), ``garbage`` (200, not JSON), ``flat_block_ids`` (decode handle
         with ``remote_block_ids`` not nested per KV cache group), ``no_handle`` (finished
         without retaining, as after an abort), ``stream_error`` (a streamed answer that
-        breaks off with vLLM's in-stream ``data: {"error": ...}`` chunk; nothing retained).
+        breaks off with vLLM's in-stream ``data: {"error": ...}`` chunk; nothing retained),
+        ``other_first_token`` (the first generated token is another word: as if this
+        instance's numerics broke a near-tie differently).
         """
         self._failures.append(Failure(mode, endpoint, times, when))
 
@@ -649,6 +651,10 @@ class FakeVLLM:
         max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
         gen = generate(prompt, max_tokens, tools=body.get("tools") if chat else None,
                        wants_tool=wants_tool, output_words=self.output_words)
+        if failure == "other_first_token" and gen.words:
+            other = next(w for w in VOCAB if w != gen.words[0])
+            gen = Generation([word_id(other), *gen.token_ids[1:]], [other, *gen.words[1:]],
+                             gen.finish_reason)
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
 

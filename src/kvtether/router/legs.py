@@ -21,7 +21,7 @@ from kvtether.router.backends import Backend, BackendPool
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "PrefillRefused", "PrefillResult", "PrefillTimedOut", "engine_timings", "failure_kind", "json_or_502",
+    "FirstToken", "PrefillRefused", "PrefillResult", "PrefillTimedOut", "engine_timings", "failure_kind", "json_or_502",
     "note_failure",
     "open_decode", "prefill",
     "prompt_ids", "tokenize",
@@ -77,6 +77,42 @@ def _prefill_failed(
 
 
 @dataclass(frozen=True)
+class FirstToken:
+    """The one token a chat prefill leg generated, as it can be streamed to the client before
+    decode's first step (:func:`kvtether.router.relay.relay_stream`)."""
+
+    token_id: int
+    text: str
+    chunk_id: str
+    created: int
+    model: str
+    prompt_token_ids: list[int]
+
+
+def first_token(data: dict[str, Any]) -> FirstToken | None:
+    """P's token from a chat answer, when it is plain text the client may see as is: one
+    choice, one token, cut by ``max_tokens`` (not a stop), no tool call or reasoning split
+    off, no partial UTF-8 character."""
+    choices = data.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return None
+    choice = choices[0]
+    message = choice.get("message")
+    ids = choice.get("token_ids")
+    if not isinstance(message, dict) or not isinstance(ids, list) or len(ids) != 1:
+        return None
+    text = message.get("content")
+    if (choice.get("finish_reason") != "length" or not isinstance(text, str) or not text
+            or "\ufffd" in text or message.get("tool_calls") or message.get("reasoning")
+            or message.get("reasoning_content") or not isinstance(ids[0], int)):
+        return None
+    chunk_id, created, model = data.get("id"), data.get("created"), data.get("model")
+    if not isinstance(chunk_id, str) or not isinstance(created, int) or not isinstance(model, str):
+        return None
+    return FirstToken(ids[0], text, chunk_id, created, model, prompt_ids(data))
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     """What the prefill leg told us."""
 
@@ -88,6 +124,7 @@ class PrefillResult:
     pull: str | None  # a protocol.PullOutcome value, from the same
     leg_s: float
     engine: p.EngineTimings | None = None  # measured inside P by the kvtether connector
+    first: FirstToken | None = None  # the token P generated (chat answers only)
 
 
 async def tokenize(
@@ -162,6 +199,7 @@ async def prefill(
         pull=params.get(p.KV_PARAM_PULL),
         leg_s=leg_s,
         engine=engine,
+        first=first_token(data) if endpoint.endswith("/chat/completions") else None,
     )
 
 

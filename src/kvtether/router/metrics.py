@@ -54,6 +54,10 @@ class RouterMetrics:
             "kvtether_prefill_leg_timeouts", "Prefill legs dropped after prefill_leg_timeout_s "
             "(their turns ran on decode alone)", registry=r,
         )
+        self.first_token_mismatch = Counter(
+            "kvtether_first_token_mismatch", "Streams ended because decode's first token "
+            "differed from prefill's, already sent (greedy turns only)", registry=r,
+        )
         self.ttft_s = Histogram(
             "kvtether_ttft_seconds", "Time to first token (streamed turns)",
             buckets=_LATENCY_BUCKETS_S, registry=r,

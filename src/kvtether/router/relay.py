@@ -20,14 +20,15 @@ from kvtether.router._clock import Clock
 from kvtether.router._errors import RouterHTTPError
 from kvtether.router.backends import Backend
 from kvtether.router.conversations import Conversation, HeldConversation
-from kvtether.router.legs import failure_kind, json_or_502, note_failure, prompt_ids
+from kvtether.router.legs import FirstToken, failure_kind, json_or_502, note_failure, prompt_ids
 from kvtether.router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 # Releases started when a stream ends early; held here so they are not garbage-collected.
 _background: set[asyncio.Task[Any]] = set()
 
-__all__ = ["Settle", "TurnContext", "in_background", "relay_once", "relay_stream"]
+__all__ = ["Settle", "TurnContext", "greedy_single", "in_background", "relay_once",
+           "relay_stream"]
 
 
 def in_background(work: Awaitable[Any]) -> None:
@@ -50,6 +51,8 @@ class TurnContext:
     handle_key: str | None  # the lease key D publishes the handle under (kvtether connector)
     wants_token_ids: bool  # the client asked for token ids; otherwise they are stripped
     decode_sent_unix_s: float = 0.0  # when the decode leg was sent (router clock)
+    # Prefill's token, streamed before decode's first step (then decode's copy is dropped).
+    first: FirstToken | None = None
     # Filled while relaying: the sequence D now holds KV for.
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
@@ -57,6 +60,28 @@ class TurnContext:
 
 # Records D's handle (or its absence) once the answer is complete.
 Settle = Callable[[TurnContext, "dict[str, Any] | None"], Awaitable[None]]
+
+
+# Request fields under which decode's first token may differ from prefill's, or under which
+# the first chunks carry more than a role and a token's text.
+_NOT_RELAYABLE = ("logprobs", "top_logprobs", "tools", "functions", "response_format",
+                  "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                  "guided_grammar", "echo", "return_prompt_text", "logits_processors")
+
+
+def greedy_single(body: dict[str, Any]) -> bool:
+    """A chat request whose first token prefill and decode both pick the same way: greedy
+    (``temperature`` 0), one choice, no logprobs, tools or structured output, no per-chunk
+    usage. Only then may prefill's token be streamed before decode's."""
+    temperature = body.get("temperature")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        return False
+    if temperature != 0 or body.get("n") not in (None, 1):
+        return False
+    if any(body.get(k) not in (None, False, 0, "", [], {}) for k in _NOT_RELAYABLE):
+        return False
+    options = body.get("stream_options")
+    return not (isinstance(options, dict) and options.get("continuous_usage_stats"))
 
 
 async def relay_once(ctx: TurnContext, settle: Settle, clock: Clock) -> Response:
@@ -112,9 +137,18 @@ def relay_stream(
                 conv.add_turn(record)
             held.commit_soon()  # saved already, unless the stream ended before settling
 
+    first = ctx.first
+    # With ``first``: decode's role chunk and its first token were already sent (prefill's).
+    drop_role = drop_token = first is not None
+
     async def relay() -> AsyncIterator[bytes]:
-        nonlocal settled
+        nonlocal settled, drop_role, drop_token
         try:
+            if first is not None:
+                for chunk in _first_chunks(first, ctx.wants_token_ids):
+                    yield _event(chunk)
+                record.ttft_s = clock.now_unix_s() - record.started_unix_s
+                metrics.ttft_s.observe(record.ttft_s)
             async for line in _lines_or_error(upstream, decode):
                 if line == "data: [DONE]":
                     # Settle before [DONE] reaches the client: SDKs close the connection on
@@ -136,14 +170,35 @@ def relay_stream(
                 ctx.prompt_ids.extend(prompt_ids(chunk))
                 for c in chunk.get("choices") or []:
                     ctx.output_ids.extend(c.get("token_ids") or [])
-                    if record.ttft_s is None and c.get("token_ids"):
+                    if record.timings.decode_first_token_s is None and c.get("token_ids"):
                         now = clock.now_unix_s()
-                        record.ttft_s = now - record.started_unix_s
                         record.timings.decode_first_token_s = now - ctx.decode_sent_unix_s
-                        metrics.ttft_s.observe(record.ttft_s)
+                        if record.ttft_s is None:
+                            record.ttft_s = now - record.started_unix_s
+                            metrics.ttft_s.observe(record.ttft_s)
+                if first is not None:
+                    chunk["id"] = first.chunk_id
+                    if drop_role and _is_role_chunk(chunk):
+                        drop_role = False
+                        continue
+                    if drop_token and _has_tokens(chunk):
+                        drop_token = False
+                        if not _drop_first_token(chunk, first):
+                            metrics.first_token_mismatch.inc()
+                            logger.warning(
+                                "decode %s's first token differs from prefill's (%d, %r), "
+                                "which the client already has; ending the stream with an "
+                                "error", decode.name, first.token_id, first.text)
+                            yield _event(p.error_body(
+                                "decode's first token differed from prefill's, which was "
+                                "already sent; retry the request", "upstream_error",
+                                code="upstream_error"))
+                            return
+                        if _empty(chunk):
+                            continue
                 if not ctx.wants_token_ids:
                     _strip_token_ids(chunk)
-                yield ("data: " + json.dumps(chunk, separators=(",", ":")) + "\n\n").encode()
+                yield _event(chunk)
         finally:
             done()
             await upstream.aclose()
@@ -156,6 +211,69 @@ def relay_stream(
                 done()
 
     return _Stream(relay(), media_type="text/event-stream", headers=ctx.headers)
+
+
+def _event(chunk: dict[str, Any]) -> bytes:
+    return ("data: " + json.dumps(chunk, separators=(",", ":")) + "\n\n").encode()
+
+
+def _first_chunks(first: FirstToken, wants_token_ids: bool) -> list[dict[str, Any]]:
+    """The two chunks vLLM starts a chat stream with (the role, then the first token's text),
+    from prefill's answer."""
+    head = {"id": first.chunk_id, "object": "chat.completion.chunk", "created": first.created,
+            "model": first.model}
+    role: dict[str, Any] = {**head, "choices": [{
+        "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        "finish_reason": None}]}
+    token: dict[str, Any] = {**head, "choices": [{
+        "index": 0, "delta": {"content": first.text}, "logprobs": None,
+        "finish_reason": None}]}
+    if wants_token_ids:
+        role["prompt_token_ids"] = first.prompt_token_ids
+        token["choices"][0]["token_ids"] = [first.token_id]
+    return [role, token]
+
+
+def _choice(chunk: dict[str, Any]) -> dict[str, Any] | None:
+    choices = chunk.get("choices")
+    if isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict):
+        return choices[0]
+    return None
+
+
+def _is_role_chunk(chunk: dict[str, Any]) -> bool:
+    c = _choice(chunk)
+    delta = c.get("delta") if c is not None else None
+    return (isinstance(delta, dict) and "role" in delta and not delta.get("content")
+            and not c.get("token_ids") and c.get("finish_reason") is None)  # type: ignore[union-attr]
+
+
+def _has_tokens(chunk: dict[str, Any]) -> bool:
+    c = _choice(chunk)
+    return c is not None and bool(c.get("token_ids"))
+
+
+def _drop_first_token(chunk: dict[str, Any], first: FirstToken) -> bool:
+    """Take decode's first token (the one prefill's chunk already gave) out of ``chunk``;
+    False when it is not that token."""
+    c = _choice(chunk)
+    assert c is not None
+    ids, delta = c["token_ids"], c.get("delta")
+    text = delta.get("content") if isinstance(delta, dict) else None
+    if ids[0] != first.token_id or not isinstance(text, str) or not text.startswith(first.text):
+        return False
+    c["token_ids"] = ids[1:]
+    delta["content"] = text[len(first.text):]  # type: ignore[index]
+    return True
+
+
+def _empty(chunk: dict[str, Any]) -> bool:
+    """Nothing left for the client: no text, no tokens, no finish, no usage."""
+    c = _choice(chunk)
+    delta = c.get("delta") if c is not None else None
+    return (c is not None and not c.get("token_ids") and c.get("finish_reason") is None
+            and isinstance(delta, dict) and not any(delta.values())
+            and not chunk.get("usage"))
 
 
 async def _lines_or_error(upstream: httpx.Response, decode: Backend) -> AsyncIterator[str]:

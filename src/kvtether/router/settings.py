@@ -139,6 +139,12 @@ class RouterSettings(RetentionSettings, AccessSettings, BaseSettings):
         "recomputes its prompt (a frozen or hopelessly queued prefill never holds a turn "
         "for minutes)",
     )
+    relay_prefill_token: bool = Field(
+        default=True,
+        description="stream a greedy chat turn's first token from prefill's answer, before "
+        "decode's first step (decode's identical token is dropped from its stream; a "
+        "different one ends the stream with an error); false: every token from decode",
+    )
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     upstream_connect_timeout_s: float = Field(default=30.0, gt=0)
     max_conversations: int = Field(default=100_000, ge=1)

@@ -30,7 +30,13 @@ from kvtether.router.conversations import (
     StoreFencedError,
     StoreUnavailableError,
 )
-from kvtether.router.relay import TurnContext, in_background, relay_once, relay_stream
+from kvtether.router.relay import (
+    TurnContext,
+    greedy_single,
+    in_background,
+    relay_once,
+    relay_stream,
+)
 from kvtether.router.retention import Retention
 from kvtether.router.reuse import ReusePlan, plan_reuse, plan_upstream, reuse_outcome
 
@@ -229,6 +235,8 @@ class TurnRunner:
             handle_key=handle_key if decode.control_url else None,
             wants_token_ids=req.wants_token_ids,
             decode_sent_unix_s=decode_sent,
+            first=(leg.first if leg is not None and req.stream and self.s.relay_prefill_token
+                   and greedy_single(req.body) else None),
         )
 
         async def settle(ctx: TurnContext, handle: dict[str, Any] | None) -> None:
