@@ -41,6 +41,13 @@ def _chat(
     return h, ids, text
 
 
+def _from_prefill(stack) -> float:
+    """Streamed turns whose first token the router sent from prefill's answer."""
+    text = httpx.get(f"{stack.base_url}/metrics", timeout=30).text
+    name = "kvtether_first_token_from_prefill_total "
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
 def _release(stack, cid: str) -> None:
     # Idle retained KV keeps vLLM's CPU decode engine stepping: free it for the next test.
     httpx.delete(f"{stack.base_url}/v1/sessions/{cid}", timeout=60)
@@ -60,6 +67,7 @@ def test_four_turns_fire_and_match_reference(pd_stack, reference_vllm, stream):
     msgs = _conversation(4)
     bs = pd_stack.block_size_tokens
     prev_total = 0
+    led_before = _from_prefill(pd_stack)
     for turn in range(1, 5):
         body = {"model": pd_stack.model, "messages": msgs, "max_tokens": 12}
         h, ids, text = _chat(pd_stack.base_url, body, cid=cid, stream=stream)
@@ -73,6 +81,10 @@ def test_four_turns_fire_and_match_reference(pd_stack, reference_vllm, stream):
             # D retains prompt + output minus the last sampled token, whose KV never existed.
             assert reused >= ((prev_total - 1) // bs) * bs, (turn, reused, prev_total)
         prev_total = int(h["x-kvtether-prompt-tokens"]) + len(ids)
+        if stream:
+            # Greedy and streamed: the first token came from prefill's answer (the router
+            # dropped decode's copy), and the stream still equals the reference.
+            assert _from_prefill(pd_stack) - led_before == turn
         msgs = msgs + [
             {"role": "assistant", "content": text},
             {"role": "tool", "content": TOOL_RESULT},

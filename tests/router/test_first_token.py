@@ -50,6 +50,8 @@ async def test_the_first_token_comes_from_prefill_and_the_stream_is_unchanged(
             assert t.chunks[1]["choices"][0]["delta"]["content"] == first_word
             assert not any(c is d_sent[0] for c in t.chunks)
         assert t.outcome == "fired"
+        assert await h.metric("kvtether_first_token_from_prefill_total") == 3
+        assert await plain.metric("kvtether_first_token_from_prefill_total") == 0
         assert (await h.client.get("/v1/sessions/relay")).json()["turns"][-1]["ttft_s"] > 0
         h.assert_kv_correct()
 
@@ -79,6 +81,7 @@ async def test_a_first_token_decode_disagrees_with_ends_the_stream_with_an_error
     ({"temperature": 0.0, "n": 1, "stream_options": {"include_usage": True}}, True),
     ({}, False),  # vLLM's default sampling (the model's generation config) may not be greedy
     ({"temperature": 0.7}, False),
+    ({"temperature": 0, "stop": ["\n"]}, False),
     ({"temperature": 0, "n": 2}, False),
     ({"temperature": 0, "logprobs": True}, False),
     ({"temperature": 0, "tools": [{"type": "function", "function": {"name": "f"}}]}, False),

@@ -54,6 +54,10 @@ class RouterMetrics:
             "kvtether_prefill_leg_timeouts", "Prefill legs dropped after prefill_leg_timeout_s "
             "(their turns ran on decode alone)", registry=r,
         )
+        self.first_token_from_prefill = Counter(
+            "kvtether_first_token_from_prefill", "Streamed turns whose first token went to the "
+            "client from prefill's answer, before decode's first step", registry=r,
+        )
         self.first_token_mismatch = Counter(
             "kvtether_first_token_mismatch", "Streams ended because decode's first token "
             "differed from prefill's, already sent (greedy turns only)", registry=r,

@@ -64,15 +64,17 @@ Settle = Callable[[TurnContext, "dict[str, Any] | None"], Awaitable[None]]
 
 # Request fields under which decode's first token may differ from prefill's, or under which
 # the first chunks carry more than a role and a token's text.
-_NOT_RELAYABLE = ("logprobs", "top_logprobs", "tools", "functions", "response_format",
+# (Stop strings: a streamed answer holds back text that may begin one, a whole answer not.)
+_NOT_RELAYABLE = ("stop", "logprobs", "top_logprobs", "tools", "functions", "response_format",
                   "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                   "guided_grammar", "echo", "return_prompt_text", "logits_processors")
 
 
 def greedy_single(body: dict[str, Any]) -> bool:
-    """A chat request whose first token prefill and decode both pick the same way: greedy
-    (``temperature`` 0), one choice, no logprobs, tools or structured output, no per-chunk
-    usage. Only then may prefill's token be streamed before decode's."""
+    """A chat request whose first token prefill and decode both pick the same way, and whose
+    stream begins with that token's text: greedy (``temperature`` 0), one choice, no stop
+    strings, logprobs, tools or structured output, no per-chunk usage. Only then may
+    prefill's token be streamed before decode's."""
     temperature = body.get("temperature")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         return False
@@ -149,6 +151,7 @@ def relay_stream(
                     yield _event(chunk)
                 record.ttft_s = clock.now_unix_s() - record.started_unix_s
                 metrics.ttft_s.observe(record.ttft_s)
+                metrics.first_token_from_prefill.inc()
             async for line in _lines_or_error(upstream, decode):
                 if line == "data: [DONE]":
                     # Settle before [DONE] reaches the client: SDKs close the connection on
