@@ -433,6 +433,8 @@ class FakeVLLM:
         self.down = False
         # Streamed answers break off after this many bytes, as when the process dies.
         self.cut_streams_after: int | None = None
+        # A chat stream stops (as a frozen engine would) after this many tokens.
+        self.freeze_streams_after_tokens: int | None = None
         self.unhealthy = False
         self.pull_failure = False  # reads of decode handles fail (P recomputes)
         self.local_hit_tokens: Callable[[list[int]], int] = lambda prompt: 0
@@ -834,6 +836,8 @@ class FakeVLLM:
                 yield emit({**head, "choices": [choice]})
             else:
                 for i, tok in enumerate(gen.token_ids):
+                    if i == self.freeze_streams_after_tokens:
+                        await asyncio.sleep(3600)
                     last = i == n - 1
                     word = gen.words[i] if i < len(gen.words) else ""
                     delta = {"content": (" " if i else "") + word} if word else {}

@@ -215,3 +215,23 @@ async def test_a_prefill_leg_past_its_timeout_is_answered_by_decode_alone(stream
         assert (await a.say("three")).outcome == "miss:not_retained"
         assert (await a.say("four")).outcome == "fired"
         h.assert_kv_correct()
+
+
+async def test_a_decode_stream_that_goes_silent_ends_with_an_error_in_bounded_time() -> None:
+    async with make_router(control=True, stream_idle_timeout_s=0.5) as h:
+        a = h.conversation("silent")
+        await a.say("one")
+        h.d.freeze_streams_after_tokens = 2  # a frozen decode worker, mid-answer
+        t = await h.chat(a.messages + [{"role": "user", "content": "two"}], "silent",
+                         stream=True)
+        # In-process fakes deliver a stream's head with its body: the silence shows before the
+        # status went out (502) here, mid-stream (an error event, no [DONE]) on a real socket.
+        if t.status == 200:
+            assert t.chunks is not None and "data: [DONE]" not in t.lines
+            assert t.chunks[-1]["error"]["code"] == "upstream_unavailable"
+        else:
+            assert t.status == 502 and t.body["error"]["code"] == "upstream_unavailable"
+            assert "did not answer in time" in t.body["error"]["message"]
+        h.d.freeze_streams_after_tokens = None
+        assert (await a.say("three")).status == 200  # the router serves the next turn
+        h.assert_kv_correct()

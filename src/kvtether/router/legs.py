@@ -232,12 +232,14 @@ def engine_timings(params: dict[str, Any] | None) -> p.EngineTimings | None:
 
 async def open_decode(
     pool: BackendPool, preferred: str | None, endpoint: str, body: dict[str, Any],
-    request_id: str, *, round_robin: bool = False,
+    request_id: str, *, round_robin: bool = False, stream_idle_timeout_s: float | None = None,
 ) -> tuple[Backend, httpx.Response]:
     """Send the decode leg, to the conversation's instance when it is reachable.
 
     ``round_robin``: ignore ``preferred`` and take the next instance in turn (the reuse
-    policies that emulate vLLM's example proxy).
+    policies that emulate vLLM's example proxy). ``stream_idle_timeout_s``: for a streamed
+    leg, the longest wait for D's next bytes (its first chunk included); past it the relay
+    ends the stream with an error event.
 
     An instance that refuses the connection is skipped for the next one: P keeps this
     turn's KV for a while, so any decode instance can still read it. The answer is returned
@@ -251,8 +253,11 @@ async def open_decode(
             raise RouterHTTPError(503, "no decode instance is reachable; retry shortly",
                                   code="upstream_unavailable")
         tried.add(decode.name)
+        extra: dict[str, Any] = {}
+        if stream_idle_timeout_s is not None and body.get("stream"):
+            extra["timeout"] = _leg_timeout(decode, stream_idle_timeout_s)
         request = decode.client.build_request(
-            "POST", endpoint, json=body, headers={"X-Request-Id": request_id}
+            "POST", endpoint, json=body, headers={"X-Request-Id": request_id}, **extra
         )
         decode.inflight += 1
         try:

@@ -139,6 +139,13 @@ class RouterSettings(RetentionSettings, AccessSettings, BaseSettings):
         "recomputes its prompt (a frozen or hopelessly queued prefill never holds a turn "
         "for minutes)",
     )
+    stream_idle_timeout_s: float = Field(
+        default=120.0, gt=0, allow_inf_nan=False,
+        description="longest silence of a streamed decode leg (before its first chunk and "
+        "between chunks); past it the router ends the client's stream with an "
+        "upstream_unavailable error event (a frozen decode worker never holds a stream for "
+        "longer); a non-streamed answer arrives whole and waits up to upstream_timeout_s",
+    )
     relay_prefill_token: bool = Field(
         default=True,
         description="stream a greedy chat turn's first token from prefill's answer, before "

@@ -196,7 +196,8 @@ class TurnRunner:
         preferred = conv.decode_instance if conv is not None and kvtether else None
         decode_sent = clock.now_unix_s()
         decode, upstream = await legs.open_decode(
-            self.pool, preferred, req.endpoint, body, req.request_id, round_robin=not kvtether
+            self.pool, preferred, req.endpoint, body, req.request_id, round_robin=not kvtether,
+            stream_idle_timeout_s=self.s.stream_idle_timeout_s,
         )
         if conv is not None:
             conv.decode_instance = decode.name
