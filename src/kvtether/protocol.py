@@ -15,6 +15,7 @@ import copy
 import enum
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -37,6 +38,9 @@ __all__ = [
     "HEADER_ROUTER",
     "HEADER_REUSABLE_TOKENS",
     "HEADER_TIMINGS",
+    "MAX_CONVERSATION_ID_LEN",
+    "CONVERSATION_ID_CHARACTERS",
+    "conversation_id_problem",
     "KVTETHER_BODY_FIELDS",
     "Phase",
     "MissCause",
@@ -123,6 +127,22 @@ HEADER_SALVAGED_TOKENS = "X-KVTether-Salvaged-Tokens"
 HEADER_ROUTER = "X-KVTether-Router"
 
 MAX_CONVERSATION_ID_LEN = 256
+# Visible ASCII only: an id travels in an HTTP header and in the session API's URL paths.
+CONVERSATION_ID_CHARACTERS = "A-Za-z0-9._:@~+=-"
+_CONVERSATION_ID = re.compile(f"[{CONVERSATION_ID_CHARACTERS}]+")
+
+
+def conversation_id_problem(value: object) -> str | None:
+    """What is wrong with ``value`` as a conversation id, or None when it is a valid one: 1 to
+    :data:`MAX_CONVERSATION_ID_LEN` characters from :data:`CONVERSATION_ID_CHARACTERS`. The
+    one rule, applied by the client before sending and by the router on every request."""
+    if not isinstance(value, str) or not value:
+        return "must be a non-empty string"
+    if len(value) > MAX_CONVERSATION_ID_LEN:
+        return f"is longer than {MAX_CONVERSATION_ID_LEN} characters"
+    if not _CONVERSATION_ID.fullmatch(value):
+        return f"may only use the characters [{CONVERSATION_ID_CHARACTERS}]"
+    return None
 
 
 class Phase(str, enum.Enum):

@@ -73,6 +73,11 @@ BAD_INPUTS = [
                  id="body-conversation-id-not-string"),
     pytest.param(CHAT, GOOD, {"X-Session-Id": "   "}, 400, "X-Session-Id", None,
                  id="blank-session-id"),
+    # The client's rule, now the router's too: an id the session API's URLs can carry.
+    pytest.param(CHAT, {**GOOD, "conversation_id": "my thread/42"}, {}, 400, "conversation_id",
+                 None, id="body-conversation-id-bad-characters"),
+    pytest.param(CHAT, {**GOOD, "conversation_id": "filé"}, {}, 400, "conversation_id", None,
+                 id="body-conversation-id-not-ascii"),
 ]
 
 

@@ -259,13 +259,13 @@ def _conversation_id(request: Request, body: dict[str, Any]) -> str | None:
         value, source = body[p.BODY_CONVERSATION_ID], p.BODY_CONVERSATION_ID
     if value is None:
         return None
-    if not isinstance(value, str) or not value.strip():
-        raise RouterHTTPError(400, f"{source} must be a non-empty string", param=source)
-    if len(value) > p.MAX_CONVERSATION_ID_LEN:
-        raise RouterHTTPError(
-            400, f"{source} is longer than {p.MAX_CONVERSATION_ID_LEN} characters", param=source
-        )
-    return value.strip()
+    value = value.strip() if isinstance(value, str) else value
+    problem = p.conversation_id_problem(value)
+    if problem is not None:
+        hint = ("; derive one from your own id with kvtether.session.conversation_id_from()"
+                if "characters [" in problem else "")
+        raise RouterHTTPError(400, f"{source} {problem}{hint}", param=source)
+    return str(value)
 
 
 def _hints(request: Request, body: dict[str, Any]) -> p.TurnHints | None:

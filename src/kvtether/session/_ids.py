@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import hashlib
-import re
 import uuid
 
 from kvtether.errors import ConfigError
-from kvtether.protocol import HEADER_CONVERSATION_ID, MAX_CONVERSATION_ID_LEN
+from kvtether.protocol import (
+    CONVERSATION_ID_CHARACTERS,
+    HEADER_CONVERSATION_ID,
+    MAX_CONVERSATION_ID_LEN,
+    conversation_id_problem,
+)
 
 __all__ = ["conversation_id_from", "new_conversation_id", "check_conversation_id"]
 
 _PREFIX = "kvt-"
-# Visible ASCII only: the id travels in an HTTP header and in URL paths of the session API.
-_ALLOWED = re.compile(r"[A-Za-z0-9._:@~+=-]+")
 
 
 def new_conversation_id() -> str:
@@ -42,10 +44,10 @@ def conversation_id_from(*parts: str, namespace: str = "kvtether") -> str:
 
 def check_conversation_id(value: str) -> str:
     """Return ``value`` if it can travel as a header and a URL path segment, else raise."""
-    if not value or len(value) > MAX_CONVERSATION_ID_LEN or not _ALLOWED.fullmatch(value):
+    if conversation_id_problem(value) is not None:
         raise ConfigError(
-            f"conversation_id {value[:40]!r} cannot be sent as {HEADER_CONVERSATION_ID}: use 1-"
-            f"{MAX_CONVERSATION_ID_LEN} characters from [A-Za-z0-9._:@~+=-], or derive one "
-            "with kvtether.session.conversation_id_from(your_id)"
+            f"conversation_id {str(value)[:40]!r} cannot be sent as {HEADER_CONVERSATION_ID}: "
+            f"use 1-{MAX_CONVERSATION_ID_LEN} characters from [{CONVERSATION_ID_CHARACTERS}], "
+            "or derive one with kvtether.session.conversation_id_from(your_id)"
         )
     return value
