@@ -46,6 +46,7 @@ __all__ = [
     "MissCause",
     "NOT_ELIGIBLE_CAUSES",
     "ReuseOutcome",
+    "reuse_verdict",
     "TurnHints",
     "HeartbeatRequest",
     "HeartbeatResponse",
@@ -186,6 +187,16 @@ NOT_ELIGIBLE_CAUSES = frozenset({
     MissCause.FIRST_TURN, MissCause.NO_CONVERSATION_ID, MissCause.BELOW_THRESHOLD,
     MissCause.PREFIX_BREAK, MissCause.STORE_UNAVAILABLE,
 })
+
+
+def reuse_verdict(
+    reusable_tokens: int, reused_tokens: int, *, block_size: int, recompute_threshold_tokens: int
+) -> tuple[bool, bool]:
+    """``(eligible, fired)`` of a turn, by the rule in :class:`MissCause`: the one definition,
+    applied by the router to every turn and by ``kvtether bench`` to every strategy's."""
+    eligible = reusable_tokens >= max(recompute_threshold_tokens, 1)
+    lost = max(0, reusable_tokens - reused_tokens)
+    return eligible, eligible and lost < max(recompute_threshold_tokens, block_size)
 
 
 class ReuseOutcome(BaseModel):

@@ -8,10 +8,10 @@ contract):
   the previous turn built (its prompt and its answer): what earlier turns had computed KV for.
 * ``reused`` tokens: what the serving side reports it did not compute (prefix cache hits plus
   tokens read from decode).
-* **eligible** when ``reusable >= max(threshold, 1)``; **fired** when eligible and it recomputed
-  less than ``max(threshold, block_size)`` of the reusable tokens (a partial block, or a
-  remainder under vLLM's ``kv_recompute_threshold``, is recomputed by design). An eligible turn
-  that did not fire lost KV: a **miss**.
+* **eligible** and **fired**: :func:`kvtether.protocol.reuse_verdict`, the router's own rule
+  (eligible when ``reusable >= max(threshold, 1)``; fired when eligible and it recomputed less
+  than ``max(threshold, block_size)`` of the reusable tokens). An eligible turn that did not
+  fire lost KV: a **miss**.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvtether.bench._measure import percentile
+from kvtether.protocol import common_prefix_tokens, reuse_verdict
 
 __all__ = ["StrategyMetrics", "TurnResult", "classify", "summarize"]
 
@@ -57,24 +58,15 @@ class TurnResult:
         return asdict(self)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def classify(result: TurnResult, built: list[int] | None, prompt_ids: list[int], *,
              block_size: int, threshold: int) -> None:
     """Fill ``reusable_tokens``, ``eligible`` and ``fired`` of ``result``."""
     if built is None or not prompt_ids:
         return
-    reusable = common_prefix(built, prompt_ids)
-    result.reusable_tokens = reusable
-    result.eligible = reusable >= max(threshold, 1)
-    lost = max(0, reusable - result.reused_tokens)
-    result.fired = result.eligible and lost < max(threshold, block_size)
+    result.reusable_tokens = common_prefix_tokens(built, prompt_ids)
+    result.eligible, result.fired = reuse_verdict(
+        result.reusable_tokens, result.reused_tokens, block_size=block_size,
+        recompute_threshold_tokens=threshold)
 
 
 def _q(values: list[float], q: float) -> float | None:

@@ -23,6 +23,7 @@ from kvtether.protocol import (
     ReuseOutcome,
     common_prefix_tokens,
     matching_prefix_tokens,
+    reuse_verdict,
     truncate_handle,
 )
 from kvtether.router.conversations import Conversation, RetainedKV
@@ -133,12 +134,13 @@ def reuse_outcome(
     if previous_token_ids is None:
         # No earlier turn finished: there is nothing this turn could reuse.
         return ReuseOutcome.miss(MissCause.FIRST_TURN, reused, 0)
-    if reusable < max(recompute_threshold_tokens, 1):
+    eligible, fired = reuse_verdict(reusable, reused, block_size=block_size,
+                                    recompute_threshold_tokens=recompute_threshold_tokens)
+    if not eligible:
         diverged = reusable < min(len(previous_token_ids), len(prompt_token_ids))
         cause = MissCause.PREFIX_BREAK if diverged else MissCause.BELOW_THRESHOLD
         return ReuseOutcome.miss(cause, reused, reusable)
-    lost = max(0, reusable - reused)
-    if lost < max(recompute_threshold_tokens, block_size):
+    if fired:
         return ReuseOutcome.hit(reused, reusable)
     # Eligible, and KV was lost: say how.
     if plan.handle is None:
