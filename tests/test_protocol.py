@@ -135,3 +135,29 @@ def test_common_prefix_tokens(n: int) -> None:
     assert p.common_prefix_tokens(array("I", a), b) == n
     assert p.common_prefix_tokens(a[:n], a) == n  # a prefix of the other
     assert p.common_prefix_tokens([], a) == 0
+
+
+def test_a_turn_record_s_outcome_is_typed_too() -> None:
+    rec = p.TurnRecord(turn=2, outcome="miss:lease_expired", reused_tokens=3, reusable_tokens=90)
+    assert rec.reuse == p.ReuseOutcome.miss(p.MissCause.LEASE_EXPIRED, 3, 90)
+    assert rec.reuse.eligible and not rec.reuse.fired
+    assert p.TurnRecord(turn=1, outcome="miss:first_turn").reuse.eligible is False
+    assert p.TurnRecord(turn=1, outcome="from a later version").reuse is None
+    assert "reuse" not in rec.model_dump()  # the wire shape is unchanged
+
+
+@pytest.mark.parametrize("reusable, reused, verdict", [
+    (0, 0, (False, False)), (15, 15, (False, False)), (16, 0, (True, False)),
+    (100, 70, (True, False)), (100, 69 + 16, (True, True)), (100, 100, (True, True)),
+])
+def test_the_one_eligible_and_fired_rule(reusable: int, reused: int, verdict: tuple) -> None:
+    assert p.reuse_verdict(reusable, reused, block_size=16,
+                           recompute_threshold_tokens=16) == verdict
+
+
+@pytest.mark.parametrize("value, ok", [
+    ("kvt-0a1b", True), ("a" * 256, True), ("user@host:thread.1+x=y~z", True),
+    ("", False), ("a" * 257, False), ("two words", False), ("caf\u00e9", False), (42, False),
+])
+def test_the_one_conversation_id_rule(value: object, ok: bool) -> None:
+    assert (p.conversation_id_problem(value) is None) is ok

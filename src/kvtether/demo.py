@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvtether import protocol as p
 
 logger = logging.getLogger(__name__)
 
@@ -180,10 +179,9 @@ def print_report(run: AgentRun, console: Any) -> None:
         table.add_row(str(t.turn), str(t.prompt_tokens), str(t.reused_tokens),
                       f"[{style}]{t.outcome}[/{style}]", ttft, nxt)
     console.print(table)
-    fired = sum(t.outcome == "fired" for t in session.turns)
+    fired = sum(t.reuse is not None and t.reuse.fired for t in session.turns)
     # Eligible: enough was reusable (the router's definition; misses of the others say why).
-    eligible = sum(t.outcome == "fired" or (t.outcome.startswith("miss:") and t.outcome[5:]
-                   not in {c.value for c in p.NOT_ELIGIBLE_CAUSES}) for t in session.turns)
+    eligible = sum(t.reuse is not None and t.reuse.eligible for t in session.turns)
     reused = sum(t.reused_tokens for t in session.turns)
     prompt = sum(t.prompt_tokens for t in session.turns)
     console.print(

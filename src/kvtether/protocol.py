@@ -429,6 +429,13 @@ class TurnRecord(BaseModel):
     started_unix_s: float = 0.0
     timings: TurnTimings = Field(default_factory=TurnTimings)
 
+    @property
+    def reuse(self) -> ReuseOutcome | None:
+        """``outcome`` and the token counts, typed (None for a label this version does not
+        know)."""
+        return parse_reuse_header(self.outcome, str(self.reused_tokens),
+                                  str(self.reusable_tokens))
+
 
 class SessionStatus(BaseModel):
     """Body of ``GET /v1/sessions/{id}``."""

@@ -6,12 +6,13 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
+from kvtether import protocol as p
 from kvtether.demo import AgentRun, print_report
 
 
 def _turn(n: int, outcome: str, tools: list[str]) -> SimpleNamespace:
     return SimpleNamespace(turn=n, prompt_tokens=100 * n, reused_tokens=90 * n, outcome=outcome,
-                           ttft_s=0.3, tools=tools)
+                           reuse=p.parse_reuse_header(outcome), ttft_s=0.3, tools=tools)
 
 
 def test_the_table_fits_80_columns_without_cutting_an_outcome() -> None:

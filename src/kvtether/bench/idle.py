@@ -61,6 +61,10 @@ class Turn:
     gap_s: float
     text: str
 
+    @property
+    def reuse(self) -> p.ReuseOutcome | None:
+        return p.parse_reuse_header(self.outcome)
+
 
 @dataclass
 class VariantResult:
@@ -91,8 +95,7 @@ class VariantResult:
         """Turns 2+ that had something to reuse: fired, or a miss that lost KV (the router's
         labels, README "The wire contract": ``first_turn``, ``no_conversation_id``,
         ``below_threshold`` and ``prefix_break`` are not eligible)."""
-        not_eligible = {f"miss:{c.value}" for c in p.NOT_ELIGIBLE_CAUSES}
-        return sum(t.outcome not in not_eligible for t in self.turns[1:])
+        return sum(t.reuse is not None and t.reuse.eligible for t in self.turns[1:])
 
     @property
     def fired(self) -> int:
