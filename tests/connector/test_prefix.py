@@ -6,7 +6,12 @@ from typing import Any
 
 import pytest
 
-from kvtether.connector._prefix import PullRecord, annotate_handle, decide_prefix, truncate_handle
+from kvtether.connector._prefix import (
+    PullRecord,
+    annotate_handle,
+    apply_prefix_decision,
+    decide_prefix,
+)
 from kvtether.protocol import PullOutcome
 
 BS = 4
@@ -31,7 +36,7 @@ def test_extending_prompt_reuses_everything_including_partial_block() -> None:
     params = decode_handle(SEQ)
     decision = decide_prefix(params, SEQ + [99, 98, 97])
     assert (decision.match_tokens, decision.keep_blocks, decision.prefix_break) == (14, None, False)
-    assert truncate_handle(params, decision)
+    assert apply_prefix_decision(params, decision)
     assert params["remote_block_ids"] == [[100, 101, 102, 103]]
     assert params["remote_num_tokens"] == 14
 
@@ -42,7 +47,7 @@ def test_rewritten_middle_keeps_only_matching_whole_blocks() -> None:
     prompt[9] = -1  # inside block 2
     decision = decide_prefix(params, prompt + [5, 6])
     assert (decision.match_tokens, decision.keep_blocks, decision.prefix_break) == (8, 2, True)
-    assert truncate_handle(params, decision)
+    assert apply_prefix_decision(params, decision)
     assert params["remote_block_ids"] == [[100, 101]]
     assert params["remote_num_tokens"] == 8
 
@@ -63,7 +68,7 @@ def test_first_block_differs_means_no_read_but_block_ids_kept_for_the_free_notic
     params = decode_handle(SEQ)
     decision = decide_prefix(params, [0] + SEQ[1:] + [7])
     assert (decision.match_tokens, decision.keep_blocks, decision.prefix_break) == (0, 0, True)
-    assert not truncate_handle(params, decision)
+    assert not apply_prefix_decision(params, decision)
     assert params["remote_block_ids"] == [[100, 101, 102, 103]]
 
 
@@ -93,7 +98,7 @@ def test_multi_group_handle_is_not_cut() -> None:
     params["remote_block_ids"] = [[1, 2, 3, 4], [9]]
     prompt = SEQ.copy()
     prompt[9] = -1
-    assert not truncate_handle(params, decide_prefix(params, prompt))
+    assert not apply_prefix_decision(params, decide_prefix(params, prompt))
 
 
 def test_pull_record_reports_outcomes() -> None:
@@ -128,5 +133,5 @@ def test_a_handle_the_router_cut_still_passes_the_prefill_check() -> None:
     prompt = SEQ[:8] + [77, 76, 75, 74, 73]  # repeats D's first two blocks, then differs
     decision = decide_prefix(cut, prompt)
     assert decision.match_tokens == 8 and not decision.prefix_break
-    assert truncate_handle(cut, decision)
+    assert apply_prefix_decision(cut, decision)
     assert cut["remote_block_ids"] == [[100, 101]] and cut["remote_num_tokens"] == 8

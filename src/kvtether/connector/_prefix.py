@@ -27,9 +27,11 @@ from kvtether.protocol import (
     block_hashes,
     tail_block_hash,
 )
-from kvtether.protocol import truncate_handle as cut_handle
+from kvtether.protocol import truncate_handle
 
-__all__ = ["PrefixDecision", "PullRecord", "annotate_handle", "decide_prefix", "truncate_handle"]
+__all__ = [
+    "PrefixDecision", "PullRecord", "annotate_handle", "apply_prefix_decision", "decide_prefix",
+]
 
 
 def annotate_handle(handle: dict[str, Any], token_ids: Sequence[int], block_size: int) -> None:
@@ -87,7 +89,7 @@ def decide_prefix(
     return PrefixDecision(remote_tokens, k * block_size, k, prefix_break, True)
 
 
-def truncate_handle(params: dict[str, Any], decision: PrefixDecision) -> bool:
+def apply_prefix_decision(params: dict[str, Any], decision: PrefixDecision) -> bool:
     """Apply a decision to ``params`` in place; False when nothing may be read.
 
     A handle with nothing to read keeps its block ids: upstream then sends decode the
@@ -99,7 +101,7 @@ def truncate_handle(params: dict[str, Any], decision: PrefixDecision) -> bool:
         return True
     if k == 0:
         return False
-    cut = cut_handle(params, k, params[KV_PARAM_BLOCK_SIZE])
+    cut = truncate_handle(params, k, params[KV_PARAM_BLOCK_SIZE])
     if cut is None:
         return False
     params["remote_block_ids"] = cut["remote_block_ids"]

@@ -73,8 +73,8 @@ from kvtether.connector._quiet import progress_thread_delay, shorten_rpc_spin  #
 from kvtether.connector._prefix import (  # noqa: E402
     PullRecord,
     annotate_handle,
+    apply_prefix_decision,
     decide_prefix,
-    truncate_handle,
 )
 from kvtether.connector._settings import ConnectorSettings  # noqa: E402
 from kvtether.connector._stall import FaulthandlerWatchdog, StepWatch  # noqa: E402
@@ -221,7 +221,7 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
                 params, request.prompt_token_ids or [],
                 require_hashes=self.settings.require_block_hashes,
             )
-            record = PullRecord(decision, truncate_handle(params, decision))
+            record = PullRecord(decision, apply_prefix_decision(params, decision))
             self._pulls[request.request_id] = record
             if decision.prefix_break:
                 logger.info(

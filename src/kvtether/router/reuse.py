@@ -28,7 +28,7 @@ from kvtether.protocol import (
 )
 from kvtether.router.conversations import Conversation, RetainedKV
 
-__all__ = ["ReusePlan", "plan_reuse", "plan_upstream", "reuse_outcome", "truncate_handle"]
+__all__ = ["ReusePlan", "plan_reuse", "plan_upstream", "reuse_outcome"]
 
 
 @dataclass(frozen=True)
