@@ -52,6 +52,11 @@ def test_exported_names_are_pinned() -> None:
             "PrefixStatus",
             "PrefixBreakWarning",
             "MissingConversationKeyWarning",
+            "ConfigError",
+            "RouterUnavailableError",
+            "SessionError",
+            "SessionNotFoundError",
+            "SessionGoneError",
             "GrowthPredictor",
             "Prediction",
             "tool_key",
@@ -66,8 +71,29 @@ def test_exported_names_are_pinned() -> None:
 
 
 def test_error_tree() -> None:
+    import kvtether.errors as errors
+    import kvtether.stack
+
     for cls in (ConfigError, RouterUnavailableError, SessionError):
         assert issubclass(cls, KVTetherError)
+    # Every public exception is one of errors.py's, under KVTetherError, named ...Error (the
+    # two older session names are the same classes), and exported where it is raised.
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        if issubclass(cls, Warning):
+            assert issubclass(cls, KVTetherWarning) or cls is KVTetherWarning
+            continue
+        assert issubclass(cls, KVTetherError), name
+        assert cls.__name__.endswith("Error"), name
+    assert SessionNotFound is errors.SessionNotFoundError and SessionGone is errors.SessionGoneError
+    assert kvtether.session.SessionGoneError is errors.SessionGoneError
+    assert kvtether.stack.RestartsExhaustedError is errors.RestartsExhaustedError
+    from kvtether.bench.scenario import ScenarioError
+    from kvtether.connector import VLLMVersionError
+
+    assert issubclass(ScenarioError, ConfigError)
+    assert issubclass(VLLMVersionError, errors.UnsupportedVersionError)
+    assert issubclass(VLLMVersionError, ImportError)
     assert issubclass(SessionNotFound, SessionError) and issubclass(SessionGone, SessionError)
     assert issubclass(ConfigError, ValueError)  # bad arguments stay catchable as ValueError
     assert issubclass(PrefixBreakWarning, UserWarning)

@@ -204,6 +204,7 @@ def test_public_surface() -> None:
             "StackAlreadyRunningError",
             "StackNotRunningError",
             "InstanceFailedError",
+            "RestartsExhaustedError",
         ]
     )
     assert all(hasattr(stack, name) for name in stack.__all__)

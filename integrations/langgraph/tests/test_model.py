@@ -11,7 +11,7 @@ from kvtether.session import Session, SessionPool
 from langchain_core.messages import HumanMessage
 from langchain_core.runnables import RunnableLambda
 
-from kvtether_langgraph import ResponsesAPIUnsupported, is_tethered, tether
+from kvtether_langgraph import ResponsesAPIUnsupportedError, is_tethered, tether
 
 from lg_support import chat_model
 from tests.session.fake_router import FakeRouter
@@ -63,7 +63,7 @@ def test_original_model_is_left_as_it_was(router: FakeRouter, pool: SessionPool)
 def test_responses_api_is_refused_with_a_clear_error(
     router: FakeRouter, pool: SessionPool, kwargs: dict[str, object]
 ) -> None:
-    with pytest.raises(ResponsesAPIUnsupported, match="Chat Completions .* only.*use_responses_api=False"):
+    with pytest.raises(ResponsesAPIUnsupportedError, match="Chat Completions .* only.*use_responses_api=False"):
         tether(chat_model(router, **kwargs), pool)
 
 

@@ -7,7 +7,12 @@ from importlib import metadata
 import pytest
 
 import kvtether_langgraph
-from kvtether_langgraph import UnsupportedFrameworkVersion, check_versions
+from kvtether.errors import KVTetherError, UnsupportedVersionError
+from kvtether_langgraph import (
+    UnsupportedFrameworkVersion,
+    UnsupportedFrameworkVersionError,
+    check_versions,
+)
 
 
 def test_installed_versions_are_supported() -> None:
@@ -16,7 +21,7 @@ def test_installed_versions_are_supported() -> None:
 
 def test_a_new_major_is_refused_naming_the_range() -> None:
     fake = {"langgraph": "2.0.1"}
-    with pytest.raises(UnsupportedFrameworkVersion, match=r"langgraph>=1\.0,<2\.0.*langgraph 2\.0\.1"):
+    with pytest.raises(UnsupportedFrameworkVersionError, match=r"langgraph>=1\.0,<2\.0.*langgraph 2\.0\.1"):
         check_versions(lambda dist: fake.get(dist, "1.5.0"))
 
 
@@ -39,9 +44,19 @@ def test_exported_names_are_pinned() -> None:
             "is_tethered",
             "current_thread_id",
             "thread_id_of",
+            "ResponsesAPIUnsupportedError",
+            "UnsupportedFrameworkVersionError",
             "ResponsesAPIUnsupported",
             "UnsupportedFrameworkVersion",
             "SUPPORTED",
             "check_versions",
         ]
     )
+
+
+def test_its_errors_sit_in_kvtether_s_one_tree_under_their_earlier_names_too() -> None:
+    assert issubclass(UnsupportedFrameworkVersionError, UnsupportedVersionError)
+    assert issubclass(UnsupportedFrameworkVersionError, ImportError)
+    assert UnsupportedFrameworkVersion is UnsupportedFrameworkVersionError
+    assert issubclass(kvtether_langgraph.ResponsesAPIUnsupportedError, KVTetherError)
+    assert kvtether_langgraph.ResponsesAPIUnsupported is kvtether_langgraph.ResponsesAPIUnsupportedError

@@ -32,6 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvtether.bench.workload import TOOLS, generate_sessions
+from kvtether.errors import ConfigError
 
 __all__ = [
     "GapKind",
@@ -57,7 +58,7 @@ _VOCAB = (
 ).split()
 
 
-class ScenarioError(ValueError):
+class ScenarioError(ConfigError):
     """A scenario file that cannot be read; the message says what and where."""
 
 

@@ -10,7 +10,7 @@ than misbehave quietly. Moving to a new vLLM means re-reading those files and ch
 
 from __future__ import annotations
 
-from kvtether.errors import KVTetherError
+from kvtether.errors import VLLMVersionError
 
 __all__ = [
     "TARGET_VLLM_VERSION",
@@ -20,10 +20,6 @@ __all__ = [
 ]
 
 TARGET_VLLM_VERSION = "0.32.0"
-
-
-class VLLMVersionError(KVTetherError, ImportError):
-    """The installed vLLM is not the version the kvtether connector was written for."""
 
 
 def installed_vllm_version() -> str:

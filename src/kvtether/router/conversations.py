@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvtether.errors import KVTetherError
 from kvtether.protocol import LeaseInfo, MissCause, Phase, SessionStatus, TurnRecord
 
 __all__ = [
@@ -38,11 +39,12 @@ __all__ = [
 DEFAULT_MAX_TURN_RECORDS = 64
 
 
-class ConversationTableFullError(Exception):
-    """Every conversation in a full table has a turn in flight: none can be dropped."""
+class ConversationTableFullError(KVTetherError):
+    """Every conversation in a full table has a turn in flight: none can be dropped (the router
+    answers 503; internal to the router, like the store errors below)."""
 
 
-class StoreError(Exception):
+class StoreError(KVTetherError):
     """The conversation store could not do what was asked."""
 
 

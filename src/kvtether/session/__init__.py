@@ -15,7 +15,15 @@ Async code uses ``AsyncSession`` the same way (``async with``, ``await session.a
 Many conversations through one client (framework threads): ``SessionPool`` / ``AsyncSessionPool``.
 """
 
-from kvtether.errors import MissingConversationKeyWarning, PrefixBreakWarning
+from kvtether.errors import (
+    ConfigError,
+    MissingConversationKeyWarning,
+    PrefixBreakWarning,
+    RouterUnavailableError,
+    SessionError,
+    SessionGoneError,
+    SessionNotFoundError,
+)
 from kvtether.session._ids import conversation_id_from, new_conversation_id
 from kvtether.session._predict import GrowthPredictor, Prediction, tool_key
 from kvtether.session._prefix import keep_prefix_stable, normalize_message
@@ -47,6 +55,11 @@ __all__ = [
     "PrefixStatus",
     "PrefixBreakWarning",
     "MissingConversationKeyWarning",
+    "ConfigError",
+    "RouterUnavailableError",
+    "SessionError",
+    "SessionNotFoundError",
+    "SessionGoneError",
     "GrowthPredictor",
     "Prediction",
     "tool_key",

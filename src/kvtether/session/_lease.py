@@ -8,7 +8,12 @@ from urllib.parse import quote
 
 import httpx
 
-from kvtether.errors import RouterUnavailableError, SessionError, SessionGone, SessionNotFound
+from kvtether.errors import (
+    RouterUnavailableError,
+    SessionError,
+    SessionGoneError,
+    SessionNotFoundError,
+)
 from kvtether.protocol import SessionStatus
 
 __all__ = [
@@ -67,13 +72,13 @@ def parse_status(conversation_id: str, response: httpx.Response) -> SessionStatu
         return SessionStatus.model_validate_json(response.content)
     message = _error_message(response)
     if response.status_code == 404:
-        raise SessionNotFound(
+        raise SessionNotFoundError(
             f"the router holds no state for conversation {cid!r}: {message}",
             conversation_id=cid,
             status_code=404,
         )
     if response.status_code == 410:
-        raise SessionGone(
+        raise SessionGoneError(
             f"the KV of conversation {cid!r} is gone: {message}",
             conversation_id=cid,
             status_code=410,

@@ -46,7 +46,7 @@ class Session(BaseSession):
     def status(self) -> SessionStatus:
         """Where the conversation's KV is and its lease, as the router sees it.
 
-        Raises ``SessionNotFound``, ``SessionGone`` or ``RouterUnavailableError``.
+        Raises ``SessionNotFoundError``, ``SessionGoneError`` or ``RouterUnavailableError``.
         """
         url = self._status_url()
         try:

@@ -14,9 +14,10 @@ Public surface (everything else in this package is private)::
 from __future__ import annotations
 
 from kvtether.stack._control import InstanceStatus, stack_down, stack_status
-from kvtether.stack._errors import (
+from kvtether.errors import (
     InstanceFailedError,
     PortInUseError,
+    RestartsExhaustedError,
     StackAlreadyRunningError,
     StackError,
     StackNotRunningError,
@@ -43,4 +44,5 @@ __all__ = [
     "StackAlreadyRunningError",
     "StackNotRunningError",
     "InstanceFailedError",
+    "RestartsExhaustedError",
 ]

@@ -11,7 +11,7 @@ from kvtether.stack._commands import CommandBuilder
 from kvtether.stack._errors import InstanceFailedError
 from kvtether.stack._procs import tail
 from kvtether.stack._state import state_path
-from kvtether.stack._supervise import RestartsExhaustedError
+from kvtether.errors import RestartsExhaustedError
 from kvtether.stack.launcher import Stack, stack_down, stack_status
 from kvtether.stack.settings import StackSettings
 

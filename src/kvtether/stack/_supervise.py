@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtether.stack._errors import InstanceFailedError, StackError
+from kvtether.errors import InstanceFailedError, RestartsExhaustedError
 from kvtether.stack._procs import tail
 
 if TYPE_CHECKING:
@@ -29,18 +29,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["RestartPolicy", "RestartsExhaustedError", "supervise"]
-
-
-class RestartsExhaustedError(StackError):
-    """A process kept dying: the supervisor stopped restarting it."""
-
-    def __init__(self, name: str, failures: int, window_s: float, log_path, log_tail: str) -> None:  # noqa: ANN001
-        super().__init__(
-            f"{name} failed {failures} times within {window_s:.0f} s; giving up on restarting "
-            f"it and stopping the stack (log: {log_path}; raise --restart-max-failures or fix "
-            "the cause)"
-        )
-        self.name, self.failures, self.log_path, self.log_tail = name, failures, log_path, log_tail
 
 
 @dataclass(frozen=True)

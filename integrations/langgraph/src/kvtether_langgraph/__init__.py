@@ -11,15 +11,25 @@
     config = {"configurable": {"thread_id": t}, "callbacks": [KVTetherCallbackHandler(pool)]}
 
 Chat Completions only. Importing this package checks the LangChain / LangGraph versions and
-raises ``UnsupportedFrameworkVersion`` (naming the supported range) outside them.
+raises ``UnsupportedFrameworkVersionError`` (naming the supported range) outside them.
 """
 
-from kvtether_langgraph._versions import SUPPORTED, UnsupportedFrameworkVersion, check_versions
+from kvtether_langgraph._versions import (
+    SUPPORTED,
+    UnsupportedFrameworkVersion,
+    UnsupportedFrameworkVersionError,
+    check_versions,
+)
 
 check_versions()
 
 from kvtether_langgraph._middleware import KVTetherMiddleware  # noqa: E402
-from kvtether_langgraph._model import ResponsesAPIUnsupported, is_tethered, tether  # noqa: E402
+from kvtether_langgraph._model import (  # noqa: E402
+    ResponsesAPIUnsupported,
+    ResponsesAPIUnsupportedError,
+    is_tethered,
+    tether,
+)
 from kvtether_langgraph._thread import current_thread_id, thread_id_of  # noqa: E402
 from kvtether_langgraph._tools import KVTetherCallbackHandler  # noqa: E402
 
@@ -30,6 +40,8 @@ __all__ = [
     "is_tethered",
     "current_thread_id",
     "thread_id_of",
+    "ResponsesAPIUnsupportedError",
+    "UnsupportedFrameworkVersionError",
     "ResponsesAPIUnsupported",
     "UnsupportedFrameworkVersion",
     "SUPPORTED",

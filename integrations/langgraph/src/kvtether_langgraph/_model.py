@@ -20,11 +20,16 @@ from langchain_openai import ChatOpenAI
 
 from kvtether_langgraph._thread import current_thread_id
 
-__all__ = ["ResponsesAPIUnsupported", "tether", "is_tethered"]
+__all__ = [
+    "ResponsesAPIUnsupportedError", "ResponsesAPIUnsupported", "tether", "is_tethered",
+]
 
 
-class ResponsesAPIUnsupported(ConfigError):
+class ResponsesAPIUnsupportedError(ConfigError):
     """A model asked to use OpenAI's Responses API, which kvtether does not tether."""
+
+
+ResponsesAPIUnsupported = ResponsesAPIUnsupportedError  # its earlier name
 
 
 def is_tethered(model: Any) -> bool:
@@ -38,7 +43,7 @@ def tether(model: ChatOpenAI, pool: SessionPool) -> ChatOpenAI:
 
     ``pool``: the ``SessionPool`` keeping one session per thread (its ``base_url`` is the
     kvtether router; without one it is taken from the model's ``base_url``).
-    Raises ``ResponsesAPIUnsupported`` if the model uses (or would infer) the Responses API.
+    Raises ``ResponsesAPIUnsupportedError`` if the model uses (or would infer) the Responses API.
     """
     if not isinstance(model, ChatOpenAI):
         raise ConfigError(
@@ -48,7 +53,7 @@ def tether(model: ChatOpenAI, pool: SessionPool) -> ChatOpenAI:
     if is_tethered(model):
         return model
     if model.use_responses_api:
-        raise ResponsesAPIUnsupported(
+        raise ResponsesAPIUnsupportedError(
             "kvtether tethers Chat Completions (/v1/chat/completions) only, but this ChatOpenAI "
             "uses the Responses API (use_responses_api=True, set by you or inferred from "
             "reasoning=, include=, truncation=, output_version='responses/v1' or "

@@ -10,9 +10,11 @@ import re
 from collections.abc import Callable
 from importlib import metadata
 
-from kvtether.errors import KVTetherError
+from kvtether.errors import UnsupportedVersionError
 
-__all__ = ["SUPPORTED", "UnsupportedFrameworkVersion", "check_versions"]
+__all__ = [
+    "SUPPORTED", "UnsupportedFrameworkVersionError", "UnsupportedFrameworkVersion", "check_versions",
+]
 
 # distribution -> (lowest supported, first unsupported), as (major, minor)
 SUPPORTED: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
@@ -23,9 +25,12 @@ SUPPORTED: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
 }
 
 
-class UnsupportedFrameworkVersion(KVTetherError, ImportError):
+class UnsupportedFrameworkVersionError(UnsupportedVersionError):
     """An installed LangChain / LangGraph version is outside the range this integration
     supports."""
+
+
+UnsupportedFrameworkVersion = UnsupportedFrameworkVersionError  # its earlier name
 
 
 def _major_minor(version: str) -> tuple[int, int] | None:
@@ -41,19 +46,19 @@ def _range(dist: str) -> str:
 
 
 def check_versions(version: Callable[[str], str] = metadata.version) -> None:
-    """Raise ``UnsupportedFrameworkVersion`` unless every framework package is in range."""
+    """Raise ``UnsupportedFrameworkVersionError`` unless every framework package is in range."""
     for dist, (low, high) in SUPPORTED.items():
         try:
             installed = version(dist)
         except metadata.PackageNotFoundError:
-            raise UnsupportedFrameworkVersion(
+            raise UnsupportedFrameworkVersionError(
                 f"kvtether-langgraph needs {_range(dist)}, which is not installed: "
                 f"pip install '{_range(dist)}'"
             ) from None
         parsed = _major_minor(installed)
         if parsed is None or not (low <= parsed < high):
             supported = ", ".join(_range(d) for d in SUPPORTED)
-            raise UnsupportedFrameworkVersion(
+            raise UnsupportedFrameworkVersionError(
                 f"kvtether-langgraph supports {_range(dist)}, but {dist} {installed} is "
                 f"installed. Supported: {supported}. Install a supported version, or a "
                 f"kvtether-langgraph release made for {dist} {installed}."

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import re
 
-from kvtether.errors import KVTetherError
+from kvtether.errors import UnsupportedVersionError
 
 __all__ = ["SUPPORTED_AGENTS", "UnsupportedAgentsVersionError", "check_agents_version"]
 
@@ -19,7 +19,7 @@ SUPPORTED_AGENTS = ((0, 24), (0, 25))
 SUPPORTED_RANGE = ">=0.24,<0.25"
 
 
-class UnsupportedAgentsVersionError(KVTetherError, ImportError):
+class UnsupportedAgentsVersionError(UnsupportedVersionError):
     """The installed openai-agents is outside the range kvtether-openai-agents supports."""
 
 
