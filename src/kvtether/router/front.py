@@ -12,7 +12,7 @@ stream after. ``GET /health`` is the front's own: 200 while any replica answers 
 ``/health``, else 503.
 
 Run alone: ``kvtether front --upstream-urls '["http://127.0.0.1:8001", "http://127.0.0.1:8002"]'``
-(or ``python -m kvtether.router.front``).
+(the one way to serve it; :func:`serve_front` from code).
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ import asyncio
 import contextlib
 import json
 import logging
-import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -254,14 +253,3 @@ def serve_front(settings: FrontSettings) -> None:
 
     uvicorn.run(create_front_app(settings), host=settings.host, port=settings.port,
                 log_level="warning", timeout_graceful_shutdown=5)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvtether.router.front ...``: the same as ``kvtether front ...``."""
-    from kvtether.cli import main as cli_main
-
-    return cli_main(["front", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
