@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -42,6 +43,35 @@ logger = logging.getLogger(__name__)
 __all__ = ["create_app"]
 
 
+class _ServedModels:
+    """The model names prefill serves: ``/v1/models`` relayed, and remembered for checking a
+    request's ``model`` (one fetch loop for both)."""
+
+    def __init__(self, pool: BackendPool) -> None:
+        self._pool = pool
+        self._names: list[str] | None = None
+
+    async def listing(self) -> httpx.Response | None:
+        """The first reachable prefill instance's ``/v1/models`` answer; None if none answers."""
+        for b in self._pool.prefill:
+            try:
+                r = await b.client.get("/v1/models", timeout=5.0)
+            except httpx.HTTPError as exc:
+                if isinstance(exc, httpx.ConnectError):  # slow is not down
+                    b.mark_down(repr(exc))
+                continue
+            if r.status_code == 200 and self._names is None:
+                with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+                    self._names = [m["id"] for m in r.json().get("data", [])]
+            return r
+        return None
+
+    async def names(self) -> list[str] | None:
+        if self._names is None:
+            await self.listing()
+        return self._names
+
+
 def create_app(
     settings: RouterSettings,
     store: ConversationStore | None = None,
@@ -51,7 +81,8 @@ def create_app(
     """Build the router app.
 
     ``transport`` replaces the network to the vLLM instances and ``clock`` the wall clock
-    that leases, idle times and turn records are measured with (both for tests).
+    that leases, idle times and turn records are measured with (both for tests). Handlers are
+    module functions that find what they need on ``request.app.state``.
     """
     clock = clock or SystemClock()
     keys = KeyRing.from_settings(settings)  # a bad key file fails here, before serving
@@ -72,128 +103,18 @@ def create_app(
     secret = settings.control_secret.get_secret_value() if settings.control_secret else None
     deps = RouterDeps(settings, pool, store, LeaseClient(control_secret=secret), metrics, clock)
     retention = Retention(deps)
-    runner = TurnRunner(deps, retention)
     sessions = SessionAPI(deps, retention)
-    served: dict[str, Any] = {"models": None}
-
-    async def served_models() -> list[str] | None:
-        if served["models"] is None:
-            for b in pool.prefill:
-                try:
-                    r = await b.client.get("/v1/models", timeout=5.0)
-                    if r.status_code == 200:
-                        served["models"] = [m["id"] for m in r.json().get("data", [])]
-                        break
-                except httpx.HTTPError:
-                    continue
-        return served["models"]
-
-    async def completions(request: Request) -> Response:
-        body = await _json_body(request)
-        endpoint = request.url.path
-        if endpoint == "/v1/chat/completions":
-            msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs:
-                raise RouterHTTPError(400, "'messages' must be a non-empty list", param="messages")
-        elif "prompt" not in body:
-            raise RouterHTTPError(400, "'prompt' is required", param="prompt")
-        model = body.get("model")
-        if model is not None:
-            names = await served_models()
-            if names is not None and model not in names:
-                raise RouterHTTPError(
-                    404, f"The model `{model}` does not exist. Served: {', '.join(names)}",
-                    param="model", code="model_not_found",
-                )
-        conversation_id = _conversation_id(request, body)
-        hints = _hints(request, body)
-        for field in p.KVTETHER_BODY_FIELDS:
-            body.pop(field, None)
-        # kv_transfer_params is the router's to set; a client's would bypass the prefix check.
-        body.pop("kv_transfer_params", None)
-        return await runner.run(
-            TurnRequest(endpoint, body, conversation_id, hints, tenant=tenant_of(request))
-        )
-
-    async def models(request: Request) -> Response:
-        for b in pool.prefill:
-            try:
-                r = await b.client.get("/v1/models", timeout=5.0)
-            except httpx.HTTPError as exc:
-                b.mark_down(repr(exc))
-                continue
-            return JSONResponse(r.json(), status_code=r.status_code)
-        raise RouterHTTPError(503, "no prefill instance is reachable")
-
-    async def health(request: Request) -> Response:
-        status = await pool.check_health()
-        ok = any(status[b.name] for b in pool.prefill) and any(status[b.name] for b in pool.decode)
-        # A store that is down does not make the router unhealthy: turns are still answered
-        # (as plain P/D), and a load balancer taking every replica out would answer none.
-        store_ok = await store.check()
-        return JSONResponse(
-            {"status": "ok" if ok else "degraded", "backends": status,
-             "conversations": store.count(),
-             "store": {"kind": store.kind, "ok": store_ok},
-             "protocol_version": p.PROTOCOL_VERSION},
-            status_code=200 if ok else 503,
-        )
-
-    async def metrics_endpoint(request: Request) -> Response:
-        count = store.count()
-        if count is not None:
-            metrics.conversations.set(count)
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
-
-    async def housekeeping() -> None:
-        """Expire lapsed leases and take the shared retained-token counts every second; probe
-        instance health every few seconds."""
-        tick = 0
-        store_down = False
-        while True:
-            await asyncio.sleep(1.0)
-            tick += 1
-            try:
-                await retention.reap_expired()
-                await retention.refresh_shared_counts()
-                if store_down:
-                    logger.warning("conversation store is back")
-                store_down = False
-            except StoreError as exc:
-                if not store_down:
-                    logger.warning("conversation store unavailable: %s", exc)
-                store_down = True
-            except Exception:  # housekeeping must never die
-                logger.exception("router housekeeping failed")
-            if tick % 5 == 0:
-                try:
-                    await pool.check_health()
-                except Exception:
-                    logger.exception("router housekeeping failed")
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):
-        task = asyncio.create_task(housekeeping())
-        try:
-            yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            await pool.aclose()
-            await store.aclose()
-
     routes = [
-        Route("/v1/chat/completions", completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/v1/chat/completions", _completions, methods=["POST"]),
+        Route("/v1/completions", _completions, methods=["POST"]),
+        Route("/v1/models", _models, methods=["GET"]),
+        Route("/health", _health, methods=["GET"]),
+        Route("/metrics", _metrics, methods=["GET"]),
         *sessions.routes(),
     ]
     app = Starlette(
         routes=routes,
-        lifespan=lifespan,
+        lifespan=_lifespan,
         middleware=[Middleware(
             AccessMiddleware, keys=keys, settings=settings,
             on_error=lambda status: metrics.errors.labels(str(status)).inc(),
@@ -206,14 +127,117 @@ def create_app(
             Exception: _counted(_internal_error, metrics),
         },
     )
-    app.state.runner = runner
+    app.state.runner = TurnRunner(deps, retention)
     app.state.retention = retention
     app.state.sessions = sessions
     app.state.clock = clock
     app.state.pool = pool
     app.state.store = store
     app.state.metrics = metrics
+    app.state.models = _ServedModels(pool)
     return app
+
+
+async def _completions(request: Request) -> Response:
+    state = request.app.state
+    body = await _json_body(request)
+    endpoint = request.url.path
+    if endpoint == "/v1/chat/completions":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise RouterHTTPError(400, "'messages' must be a non-empty list", param="messages")
+    elif "prompt" not in body:
+        raise RouterHTTPError(400, "'prompt' is required", param="prompt")
+    model = body.get("model")
+    if model is not None:
+        names = await state.models.names()
+        if names is not None and model not in names:
+            raise RouterHTTPError(
+                404, f"The model `{model}` does not exist. Served: {', '.join(names)}",
+                param="model", code="model_not_found",
+            )
+    conversation_id = _conversation_id(request, body)
+    hints = _hints(request, body)
+    for field in p.KVTETHER_BODY_FIELDS:
+        body.pop(field, None)
+    # kv_transfer_params is the router's to set; a client's would bypass the prefix check.
+    body.pop("kv_transfer_params", None)
+    return await state.runner.run(
+        TurnRequest(endpoint, body, conversation_id, hints, tenant=tenant_of(request))
+    )
+
+
+async def _models(request: Request) -> Response:
+    r = await request.app.state.models.listing()
+    if r is None:
+        raise RouterHTTPError(503, "no prefill instance is reachable")
+    return JSONResponse(r.json(), status_code=r.status_code)
+
+
+async def _health(request: Request) -> Response:
+    state = request.app.state
+    pool, store = state.pool, state.store
+    status = await pool.check_health()
+    ok = any(status[b.name] for b in pool.prefill) and any(status[b.name] for b in pool.decode)
+    # A store that is down does not make the router unhealthy: turns are still answered
+    # (as plain P/D), and a load balancer taking every replica out would answer none.
+    store_ok = await store.check()
+    return JSONResponse(
+        {"status": "ok" if ok else "degraded", "backends": status,
+         "conversations": store.count(),
+         "store": {"kind": store.kind, "ok": store_ok},
+         "protocol_version": p.PROTOCOL_VERSION},
+        status_code=200 if ok else 503,
+    )
+
+
+async def _metrics(request: Request) -> Response:
+    state = request.app.state
+    count = state.store.count()
+    if count is not None:
+        state.metrics.conversations.set(count)
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+async def _housekeeping(retention: Retention, pool: BackendPool) -> None:
+    """Expire lapsed leases and take the shared retained-token counts every second; probe
+    instance health every few seconds."""
+    tick = 0
+    store_down = False
+    while True:
+        await asyncio.sleep(1.0)
+        tick += 1
+        try:
+            await retention.reap_expired()
+            await retention.refresh_shared_counts()
+            if store_down:
+                logger.warning("conversation store is back")
+            store_down = False
+        except StoreError as exc:
+            if not store_down:
+                logger.warning("conversation store unavailable: %s", exc)
+            store_down = True
+        except Exception:  # housekeeping must never die
+            logger.exception("router housekeeping failed")
+        if tick % 5 == 0:
+            try:
+                await pool.check_health()
+            except Exception:
+                logger.exception("router housekeeping failed")
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: Starlette) -> AsyncIterator[None]:
+    state = app.state
+    task = asyncio.create_task(_housekeeping(state.retention, state.pool))
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await state.pool.aclose()
+        await state.store.aclose()
 
 
 def _make_store(settings: RouterSettings, on_drop, clock: Clock,  # noqa: ANN001
