@@ -21,8 +21,7 @@ import openai
 from agents.models.interface import Model, ModelProvider
 from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
 from agents.model_settings import ModelSettings
-from kvtether.session import AsyncSession, AsyncSessionPool, SessionSettings
-from kvtether.session._tools import ToolCall
+from kvtether.session import AsyncSession, AsyncSessionPool, SessionSettings, ToolCall
 
 __all__ = ["KVTetherProvider"]
 
