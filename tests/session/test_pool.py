@@ -302,3 +302,40 @@ def test_async_get_from_a_worker_thread(router: FakeRouter) -> None:
     worker.join()
     assert [type(s) for s in got] == [AsyncSession, AsyncSession]
     asyncio.run(pool.aclose())
+
+
+def test_a_tool_run_reported_by_two_callbacks_is_followed_by_the_pool(
+    router: FakeRouter, pool: SessionPool, base_client: OpenAI
+) -> None:
+    client = pool.wrap(base_client, lambda: "a")
+    router.replies.append({"content": None, "tool_calls": [call("call_a1")]})
+    client.chat.completions.create(model="fake", messages=[USER])
+    session = pool.get("a")
+    # Found from the reply's tool call id; then from the key alone; an unknown one is not.
+    run = pool.begin_tool("run-1", "grep", tool_call_id="call_a1", args={"q": "x"})
+    assert run is not None and pool.open_tool_runs() == ["run-1"]
+    assert pool.open_tool_runs(session.conversation_id) == ["run-1"]
+    assert pool.open_tool_runs("another") == []
+    assert pool.begin_tool("run-2", "ls", key="b") is not None
+    assert pool.begin_tool("run-3", "ls", tool_call_id="call_unknown") is None
+    with pytest.raises(ConfigError, match="begun already"):
+        pool.begin_tool("run-1", "grep", key="a")
+    ended = pool.end_tool("run-1", ValueError("boom"))
+    assert ended is run and ended.error == "ValueError" and not ended.ok
+    assert [r.name for r in session.tool_runs] == ["grep"]
+    assert pool.end_tool("run-1") is None  # ended once
+    b = pool.get("b")
+    pool.close()  # ends run-2 too
+    assert pool.open_tool_runs() == [] and [r.name for r in b.tool_runs] == ["ls"]
+
+
+async def test_an_async_tool_run_reported_by_two_callbacks(router: FakeRouter) -> None:
+    async with AsyncSessionPool(router.url, settings=FAST) as pool:
+        a = pool.get("a")
+        run = await pool.abegin_tool("r", "grep", key="a", eta_s=1.0)
+        assert run is not None and pool.open_tool_runs() == ["r"]
+        with pytest.raises(ConfigError, match="aend_tool"):
+            pool.end_tool("r")
+        await pool.abegin_tool("left-open", "ls", key="a")
+    assert pool.open_tool_runs() == []  # aclose() ended the one left open
+    assert sorted(r.name for r in a.tool_runs) == ["grep", "ls"]

@@ -229,7 +229,7 @@ async def test_a_failing_tool_reaches_the_agent_as_without_kvtether(
     assert "An error occurred while running the tool" in json.dumps(tethered_bodies[1])
     (run,) = provider.pool.session_for_tool_call("call_1").tool_runs  # type: ignore[union-attr]
     assert run.duration_s is not None  # its heartbeat scope was closed
-    assert provider._tool_calls == {}
+    assert provider.pool.open_tool_runs() == []
 
 
 async def test_a_tool_error_that_ends_the_run_stops_its_heartbeat(
@@ -254,10 +254,10 @@ async def test_a_tool_error_that_ends_the_run_stops_its_heartbeat(
     await plain_provider.aclose()
     assert errors[0] == errors[1]
     # The end hook never came; the next model call of that conversation closes it.
-    assert len(provider._tool_calls) == 1
+    assert len(provider.pool.open_tool_runs()) == 1
     router.replies.append({"content": "ok"})
     await Runner.run(agent(), "again", run_config=RunConfig(model_provider=provider, group_id="g"))
-    assert provider._tool_calls == {}
+    assert provider.pool.open_tool_runs() == []
     count = len(router.requests_to("/heartbeat"))
     await asyncio.sleep(0.2)
     assert len(router.requests_to("/heartbeat")) == count

@@ -21,7 +21,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
@@ -31,8 +31,10 @@ from kvtether.errors import ConfigError, MissingConversationKeyWarning
 from kvtether.session._base import BaseSession
 from kvtether.session._lease import API_KEY_ENV
 from kvtether.session._prefix import warn_at_caller
+from kvtether.session._records import ToolRun
 from kvtether.session._session import AsyncSession, Session
 from kvtether.session._settings import SessionSettings, normalize_base_url
+from kvtether.session._tools import ToolCall
 
 __all__ = ["BasePool", "SessionPool", "AsyncSessionPool", "Resolver"]
 
@@ -112,6 +114,8 @@ class BasePool(Generic[S]):
             max_sessions * _TOOL_CALL_IDS_PER_SESSION
         )
         self._default: S | None = None
+        # Tool runs begun through begin_tool() / abegin_tool(), by the caller's run id.
+        self._tool_runs: dict[Hashable, tuple[str, ToolCall, bool]] = {}
         self._warned_missing_key = False
         # Async twin only: sessions let go whose async client still needs closing on the loop.
         self._closing: list[S] = []
@@ -153,6 +157,91 @@ class BasePool(Generic[S]):
                 return None
             key = self._tool_calls[tool_call_id]
         return self.default if key is None else self.get(key)
+
+    # --- tool runs reported by callbacks (framework hooks) ------------------------------------
+    def session_for_tool(self, tool_call_id: str | None = None, key: str | None = None) -> S | None:
+        """The session a tool run belongs to: the one whose model reply asked for
+        ``tool_call_id``, else the session of conversation ``key``; None when neither is
+        known (such a run is not followed)."""
+        if tool_call_id:
+            session = self.session_for_tool_call(tool_call_id)
+            if session is not None:
+                return session
+        return None if key is None else self.get(key)
+
+    def begin_tool(
+        self, run_id: Hashable, name: str, *, tool_call_id: str | None = None,
+        key: str | None = None, args: Any = None, eta_s: float | None = None,
+    ) -> ToolRun | None:
+        """A tool run starts (from sync code; its heartbeats run in a thread): find its session
+        (:meth:`session_for_tool`), time it and keep its conversation's KV alive until
+        :meth:`end_tool` with the same ``run_id``. None: no session is known for it."""
+        call = self._tool_call(run_id, name, tool_call_id, key, args, eta_s, in_task=False)
+        return None if call is None else call.begin()
+
+    def end_tool(self, run_id: Hashable, error: BaseException | None = None) -> ToolRun | None:
+        """The run begun as ``run_id`` ended (``error``: what it raised); None if unknown."""
+        with self._lock:
+            entry = self._tool_runs.get(run_id)
+            if entry is not None and entry[2]:
+                raise ConfigError(f"tool run {run_id!r} began with abegin_tool(): end it with "
+                                  "aend_tool()")
+            self._tool_runs.pop(run_id, None)
+        if entry is None:
+            return None
+        entry[1].end(error)
+        return entry[1].run
+
+    async def abegin_tool(
+        self, run_id: Hashable, name: str, *, tool_call_id: str | None = None,
+        key: str | None = None, args: Any = None, eta_s: float | None = None,
+    ) -> ToolRun | None:
+        """:meth:`begin_tool` from a coroutine: the heartbeats run in an asyncio task."""
+        call = self._tool_call(run_id, name, tool_call_id, key, args, eta_s, in_task=True)
+        return None if call is None else await call.abegin()
+
+    async def aend_tool(
+        self, run_id: Hashable, error: BaseException | None = None
+    ) -> ToolRun | None:
+        """:meth:`end_tool` for a run begun with either method, from a coroutine."""
+        entry = self._take_tool_run(run_id)
+        if entry is None:
+            return None
+        _, call, in_task = entry
+        if in_task:
+            await call.aend(error)
+        else:
+            call.end(error)
+        return call.run
+
+    def open_tool_runs(self, conversation_id: str | None = None) -> list[Hashable]:
+        """Run ids of the tool runs begun and not ended (of one conversation, if given)."""
+        with self._lock:
+            return [run_id for run_id, (cid, _, _) in self._tool_runs.items()
+                    if conversation_id is None or cid == conversation_id]
+
+    def _tool_call(
+        self, run_id: Hashable, name: str, tool_call_id: str | None, key: str | None,
+        args: Any, eta_s: float | None, *, in_task: bool,
+    ) -> ToolCall | None:
+        session = self.session_for_tool(tool_call_id, key)
+        if session is None:
+            return None
+        call = session.tool_call(name, eta_s=eta_s, args=args)
+        with self._lock:
+            if run_id in self._tool_runs:
+                raise ConfigError(f"tool run {run_id!r} has begun already; end it first")
+            self._tool_runs[run_id] = (session.conversation_id, call, in_task)
+        return call
+
+    def _take_tool_run(self, run_id: Hashable) -> tuple[str, ToolCall, bool] | None:
+        with self._lock:
+            return self._tool_runs.pop(run_id, None)
+
+    def _take_tool_runs(self) -> list[tuple[str, ToolCall, bool]]:
+        with self._lock:
+            runs, self._tool_runs = list(self._tool_runs.values()), {}
+        return runs
 
     def __len__(self) -> int:
         """How many keyed sessions are pooled (the default session not counted)."""
@@ -271,7 +360,10 @@ class SessionPool(BasePool[Session]):
     _session_cls = Session
 
     def close(self) -> None:
-        """Release the KV of every pooled session. Never raises; the pool stays usable."""
+        """End every tool run still open, then release the KV of every pooled session. Never
+        raises; the pool stays usable."""
+        for _, call, _ in self._take_tool_runs():
+            call.end()
         for session in self._take_all():
             session.close()
 
@@ -313,7 +405,13 @@ class AsyncSessionPool(BasePool[AsyncSession]):
             await session._ahttp.aclose()
 
     async def aclose(self) -> None:
-        """Release the KV of every pooled session. Never raises; the pool stays usable."""
+        """End every tool run still open, then release the KV of every pooled session. Never
+        raises; the pool stays usable."""
+        for _, call, in_task in self._take_tool_runs():
+            if in_task:
+                await call.aend()
+            else:
+                call.end()
         for session in self._take_all():
             await session.aclose()
         await self._close_clients()

@@ -75,6 +75,25 @@ class ToolCall:
         error = type(exc).__name__ if failed else None
         self._state.tool_finished(self.run, self._state.clock() - self._t0, error)
 
+    # The same run, for code that sees a tool start and end in two callbacks rather than
+    # around one block (framework hooks): begin() / end() from sync code (a thread beats),
+    # abegin() / aend() from a coroutine (a task beats). ``error``: what the tool raised.
+    def begin(self) -> ToolRun:
+        """Start the run (heartbeats in a thread); pair it with :meth:`end`."""
+        return self._start(in_task=False)
+
+    def end(self, error: BaseException | None = None) -> None:
+        """End a run started with :meth:`begin`."""
+        self.__exit__(None if error is None else type(error), error, None)
+
+    async def abegin(self) -> ToolRun:
+        """Start the run (heartbeats in an asyncio task); pair it with :meth:`aend`."""
+        return self._start(in_task=True)
+
+    async def aend(self, error: BaseException | None = None) -> None:
+        """End a run started with :meth:`abegin`."""
+        await self.__aexit__(None if error is None else type(error), error, None)
+
     def __enter__(self) -> ToolRun:
         return self._start(in_task=False)
 

@@ -6,19 +6,15 @@ else the session of the tool's LangGraph thread. A tool with neither is not foll
 
 from __future__ import annotations
 
-import logging
-import threading
 from typing import Any
 from uuid import UUID
 
-from kvtether.session import AsyncSession, AsyncSessionPool, Session, SessionPool, ToolCall
+from kvtether.session import AsyncSession, AsyncSessionPool, Session, SessionPool
 from langchain_core.callbacks import BaseCallbackHandler
 
 from kvtether_langgraph._thread import current_thread_id, thread_id_of
 
 __all__ = ["KVTetherCallbackHandler", "session_for_tool"]
-
-logger = logging.getLogger(__name__)
 
 Pool = SessionPool | AsyncSessionPool
 
@@ -27,13 +23,9 @@ def session_for_tool(
     pool: Pool, tool_call_id: str | None, thread_id: str | None
 ) -> Session | AsyncSession | None:
     """The session of a tool run, or None when neither its call id nor its thread is known."""
-    if tool_call_id:
-        session = pool.session_for_tool_call(tool_call_id)
-        if session is not None:
-            return session
     if thread_id is None:
         thread_id = current_thread_id()
-    return None if thread_id is None else pool.get(thread_id)
+    return pool.session_for_tool(tool_call_id, thread_id)
 
 
 class KVTetherCallbackHandler(BaseCallbackHandler):
@@ -43,8 +35,9 @@ class KVTetherCallbackHandler(BaseCallbackHandler):
     ``ToolNode``, hand-built graphs): pass it in the run's config, e.g.
     ``graph.invoke(inputs, {"configurable": {"thread_id": t}, "callbacks": [handler]})``.
     One handler serves every thread and run: ``ToolNode`` runs parallel tool calls in worker
-    threads, so its state is keyed by the tool run's id, behind a lock. It never raises into
-    the graph; a tool's own exception reaches the graph unchanged.
+    threads, so each run is the pool's, under the tool run's id (kvtether's
+    ``pool.begin_tool`` / ``pool.end_tool``). It never raises into the graph; a tool's own
+    exception reaches the graph unchanged.
     """
 
     raise_error = False
@@ -53,8 +46,6 @@ class KVTetherCallbackHandler(BaseCallbackHandler):
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
-        self._lock = threading.Lock()
-        self._runs: dict[UUID, ToolCall] = {}
 
     def on_tool_start(
         self,
@@ -68,31 +59,25 @@ class KVTetherCallbackHandler(BaseCallbackHandler):
         inputs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        session = session_for_tool(
-            self.pool, kwargs.get("tool_call_id"), thread_id_of({"metadata": metadata})
-        )
-        if session is None:
-            return
+        thread_id = thread_id_of({"metadata": metadata})
         name = kwargs.get("name") or (serialized or {}).get("name") or "tool"
-        call = session.tool_call(str(name), args=inputs if inputs is not None else input_str)
-        call.__enter__()
-        with self._lock:
-            self._runs[run_id] = call
+        self.pool.begin_tool(
+            (_RUN_ID_TAG, run_id), str(name), tool_call_id=kwargs.get("tool_call_id"),
+            key=thread_id if thread_id is not None else current_thread_id(),
+            args=inputs if inputs is not None else input_str,
+        )
 
     def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
-        self._finish(run_id, None)
+        self.pool.end_tool((_RUN_ID_TAG, run_id))
 
     def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
-        self._finish(run_id, error)
-
-    def _finish(self, run_id: UUID, error: BaseException | None) -> None:
-        with self._lock:
-            call = self._runs.pop(run_id, None)
-        if call is not None:
-            call.__exit__(None if error is None else type(error), error, None)
+        self.pool.end_tool((_RUN_ID_TAG, run_id), error)
 
     @property
     def running(self) -> int:
-        """How many tool runs are being heartbeated now."""
-        with self._lock:
-            return len(self._runs)
+        """How many tool runs this handler began are being heartbeated now."""
+        return sum(isinstance(r, tuple) and r[:1] == (_RUN_ID_TAG,) for r in self.pool.open_tool_runs())
+
+
+# Tags this handler's run ids in the pool's registry, which other code may share.
+_RUN_ID_TAG = "kvtether_langgraph.callback"

@@ -21,7 +21,7 @@ import openai
 from agents.models.interface import Model, ModelProvider
 from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
 from agents.model_settings import ModelSettings
-from kvtether.session import AsyncSession, AsyncSessionPool, SessionSettings, ToolCall
+from kvtether.session import AsyncSession, AsyncSessionPool, SessionSettings
 
 __all__ = ["KVTetherProvider"]
 
@@ -147,8 +147,6 @@ class KVTetherProvider(ModelProvider):
         self._fallback_client = fallback_client
         self._models: dict[str, _TetheredModel] = {}
         self._fallbacks: dict[str, Model] = {}
-        # Open tool calls: tool_call_id -> (conversation id, its heartbeat scope).
-        self._tool_calls: dict[str, tuple[str, ToolCall]] = {}
         self._warned_unreachable = False
         self.fallback_turns = 0  # model calls the router could not take (answered by fallback)
 
@@ -200,10 +198,7 @@ class KVTetherProvider(ModelProvider):
     async def aclose(self) -> None:
         """Stop tool heartbeats still running and release the KV of every pooled session.
         The runner never calls this for a provider you passed it; call it when you are done."""
-        calls, self._tool_calls = list(self._tool_calls.values()), {}
-        for _, call in calls:
-            await call.__aexit__(None, None, None)
-        await self._pool.aclose()
+        await self._pool.aclose()  # ends the tool runs still open first
         if self._owned_client is not None:
             await self._owned_client.close()
 
@@ -236,28 +231,22 @@ class KVTetherProvider(ModelProvider):
     async def _tool_started(self, tool_call_id: str | None, name: str, arguments: Any) -> None:
         if not tool_call_id:
             return
-        session = self._pool.session_for_tool_call(tool_call_id)
-        if session is None:  # its reply came from no tethered request (fallback, another client)
-            return
         try:
             args = json.loads(arguments) if isinstance(arguments, str) else arguments
         except ValueError:
             args = arguments
-        call = session.tool_call(name, args=args)
-        await call.__aenter__()
-        self._tool_calls[tool_call_id] = (session.conversation_id, call)
+        # Not followed when its reply came from no tethered request (fallback, another client).
+        await self._pool.abegin_tool(tool_call_id, name, tool_call_id=tool_call_id, args=args)
 
     async def _tool_ended(self, tool_call_id: str | None) -> None:
-        entry = self._tool_calls.pop(tool_call_id, None) if tool_call_id else None
-        if entry is not None:
-            await entry[1].__aexit__(None, None, None)
+        if tool_call_id:
+            await self._pool.aend_tool(tool_call_id)
 
     async def _close_stale_tool_calls(self, key: str | None) -> None:
         """A model call of a conversation means its tools are done: close any whose end hook
         never came (a tool error that ended the hooks, a cancelled run resumed)."""
-        if not self._tool_calls:
+        if not self._pool.open_tool_runs():
             return
         cid = self._pool.get(key).conversation_id if key is not None else None
-        stale = [tid for tid, (c, _) in self._tool_calls.items() if c == cid]
-        for tool_call_id in stale:
-            await self._tool_ended(tool_call_id)
+        for run_id in self._pool.open_tool_runs(cid):
+            await self._pool.aend_tool(run_id)
