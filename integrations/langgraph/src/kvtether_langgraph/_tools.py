@@ -76,7 +76,8 @@ class KVTetherCallbackHandler(BaseCallbackHandler):
     @property
     def running(self) -> int:
         """How many tool runs this handler began are being heartbeated now."""
-        return sum(isinstance(r, tuple) and r[:1] == (_RUN_ID_TAG,) for r in self.pool.open_tool_runs())
+        return sum(isinstance(r, tuple) and r[:1] == (_RUN_ID_TAG,)
+                   for r in self.pool.open_tool_runs())
 
 
 # Tags this handler's run ids in the pool's registry, which other code may share.
