@@ -4,7 +4,7 @@ Exceptions::
 
     KVTetherError                      anything kvtether raises on purpose
     ├── ConfigError                    a setting or argument is wrong; the message says which
-    │   └── ScenarioError              (kvtether.bench) a scenario file that cannot be replayed
+    │   └── ScenarioError              (kvtether.bench) a scenario file that cannot be read
     ├── UnsupportedVersionError        an installed vLLM or framework is outside the supported
     │   │                              versions (also an ImportError)
     │   ├── VLLMVersionError           vLLM is not the version the connector was written for

@@ -59,4 +59,5 @@ def test_its_errors_sit_in_kvtether_s_one_tree_under_their_earlier_names_too() -
     assert issubclass(UnsupportedFrameworkVersionError, ImportError)
     assert UnsupportedFrameworkVersion is UnsupportedFrameworkVersionError
     assert issubclass(kvtether_langgraph.ResponsesAPIUnsupportedError, KVTetherError)
-    assert kvtether_langgraph.ResponsesAPIUnsupported is kvtether_langgraph.ResponsesAPIUnsupportedError
+    lg = kvtether_langgraph
+    assert lg.ResponsesAPIUnsupported is lg.ResponsesAPIUnsupportedError

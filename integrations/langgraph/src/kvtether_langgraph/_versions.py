@@ -13,7 +13,10 @@ from importlib import metadata
 from kvtether.errors import UnsupportedVersionError
 
 __all__ = [
-    "SUPPORTED", "UnsupportedFrameworkVersionError", "UnsupportedFrameworkVersion", "check_versions",
+    "SUPPORTED",
+    "UnsupportedFrameworkVersionError",
+    "UnsupportedFrameworkVersion",
+    "check_versions",
 ]
 
 # distribution -> (lowest supported, first unsupported), as (major, minor)
