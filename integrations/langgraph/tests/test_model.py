@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import httpx
 import pytest
 from kvtether.protocol import HEADER_CONVERSATION_ID
 from kvtether.session import Session, SessionPool
@@ -75,3 +76,26 @@ def test_never_switches_to_responses_api_on_its_own(router: FakeRouter, pool: Se
     tethered = tether(plain, pool)
     tethered.bind_tools([builtin]).invoke("hi", {"configurable": {"thread_id": "t"}})
     assert [r.path for r in router.received] == ["/v1/chat/completions"]
+
+
+@pytest.mark.parametrize("call", ["invoke", "stream", "batch", "ainvoke", "astream"])
+async def test_a_thread_id_given_to_the_model_itself_picks_its_session(
+    router: FakeRouter, pool: SessionPool, call: str
+) -> None:
+    # Its own async HTTP client: langchain-openai shares one default client across event
+    # loops, and each async test has its own loop.
+    model = tether(chat_model(router, http_async_client=httpx.AsyncClient()), pool)
+    config = {"configurable": {"thread_id": "A"}}
+    msgs = [HumanMessage("hi")]
+    if call == "invoke":
+        model.invoke(msgs, config=config)
+    elif call == "stream":
+        list(model.stream(msgs, config=config))
+    elif call == "batch":
+        model.batch([msgs], config=config)
+    elif call == "ainvoke":
+        await model.ainvoke(msgs, config=config)
+    else:
+        [c async for c in model.astream(msgs, config=config)]
+    assert sent_ids(router) == [Session.from_thread_id("A").conversation_id]
+    assert pool.default.turns == []  # not the shared default session

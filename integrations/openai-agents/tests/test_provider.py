@@ -379,3 +379,16 @@ async def test_the_routers_key_goes_on_model_requests_heartbeats_and_release(
     assert any(p.endswith("/heartbeat") for p, _ in sent)
     assert any(p.startswith("/v1/sessions/") and not p.endswith("/heartbeat") for p, _ in sent)
     assert {auth for _, auth in sent} == {"Bearer tenant-key"}
+
+
+async def test_an_agent_that_names_no_model_gets_the_one_the_router_serves(
+    router: Any, provider: Any
+) -> None:
+    router.replies.append({"content": "done"})
+    config = RunConfig(model_provider=provider)
+    nameless = Agent(name="coder", instructions="Fix the bug.")
+    assert (await Runner.run(nameless, "fix it", run_config=config)).final_output == "done"
+    assert chat_requests(router)[-1].body["model"] == "fake"  # not "default"
+    named = KVTetherProvider(router.url, model="picked", settings=FAST)
+    assert named.get_model(None).model == "picked"
+    await named.aclose()

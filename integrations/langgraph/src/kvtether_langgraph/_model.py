@@ -12,13 +12,14 @@ or Responses-only arguments would otherwise switch a plain ``ChatOpenAI`` per re
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from kvtether import SessionPool
 from kvtether.errors import ConfigError
 from langchain_openai import ChatOpenAI
 
-from kvtether_langgraph._thread import current_thread_id
+from kvtether_langgraph._thread import current_thread_id, thread_scope
 
 __all__ = [
     "ResponsesAPIUnsupportedError", "ResponsesAPIUnsupported", "tether", "is_tethered",
@@ -67,7 +68,7 @@ def tether(model: ChatOpenAI, pool: SessionPool) -> ChatOpenAI:
         )
     root = pool.wrap(model.root_client, current_thread_id)
     aroot = pool.wrap(model.root_async_client, current_thread_id)
-    return model.model_copy(
+    tethered = model.model_copy(
         update={
             "root_client": root,
             "client": root.chat.completions,
@@ -76,3 +77,39 @@ def tether(model: ChatOpenAI, pool: SessionPool) -> ChatOpenAI:
             "use_responses_api": False,
         }
     )
+    tethered.__class__ = _tethered_class(type(model))
+    return tethered
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _tethered_class(cls: type) -> type:
+    """``cls`` with its entry points reading the thread from the call's own ``config``."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(cls.__name__, (_ThreadFromConfig, cls), {
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return _CLASSES[cls]
+
+
+class _ThreadFromConfig:
+    """``model.invoke(msgs, config={"configurable": {"thread_id": t}})`` belongs to thread
+    ``t``: a chat model's own call starts no child runnable, so no LangGraph context says so.
+    (``batch`` / ``abatch`` call these once per input, with each input's config.)"""
+
+    def invoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any:
+        with thread_scope(config):
+            return super().invoke(input, config, **kwargs)  # type: ignore[misc]
+
+    async def ainvoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any:
+        with thread_scope(config):
+            return await super().ainvoke(input, config, **kwargs)  # type: ignore[misc]
+
+    def stream(self, input: Any, config: Any = None, **kwargs: Any) -> Iterator[Any]:
+        with thread_scope(config):
+            yield from super().stream(input, config, **kwargs)  # type: ignore[misc]
+
+    async def astream(self, input: Any, config: Any = None, **kwargs: Any) -> AsyncIterator[Any]:
+        with thread_scope(config):
+            async for chunk in super().astream(input, config, **kwargs):  # type: ignore[misc]
+                yield chunk

@@ -52,9 +52,18 @@ def _take_key(settings: ModelSettings) -> tuple[ModelSettings, str | None]:
 class _TetheredModel(OpenAIChatCompletionsModel):
     """A Chat Completions model whose requests carry their run's conversation id."""
 
-    def __init__(self, model: str, client: openai.AsyncOpenAI, provider: KVTetherProvider):
-        super().__init__(model=model, openai_client=client)
+    def __init__(
+        self, model: str | None, client: openai.AsyncOpenAI, provider: KVTetherProvider
+    ) -> None:
+        # None: the agent named no model; the router's served model, asked for at first use.
+        super().__init__(model=model or "", openai_client=client)
         self._provider = provider
+        self._named = model is not None
+
+    async def _ensure_model(self) -> None:
+        if not self._named:
+            self.model = await self._provider._default_model_name()
+            self._named = True
 
     def _supports_default_prompt_cache_key(self) -> bool:
         # Ask the runner for its grouping key; _take_key removes it before the request leaves.
@@ -69,6 +78,7 @@ class _TetheredModel(OpenAIChatCompletionsModel):
         return args, key  # type: ignore[return-value]
 
     async def get_response(self, *args: Any, **kwargs: Any) -> Any:
+        await self._ensure_model()
         args, key = self._begin(args, kwargs)
         await self._provider._close_stale_tool_calls(key)
         token = _RUN_KEY.set(key)
@@ -83,6 +93,7 @@ class _TetheredModel(OpenAIChatCompletionsModel):
         return await fallback.get_response(*args, **kwargs)
 
     async def stream_response(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:  # type: ignore[override]
+        await self._ensure_model()
         args, key = self._begin(args, kwargs)
         await self._provider._close_stale_tool_calls(key)
         token = _RUN_KEY.set(key)
@@ -116,6 +127,8 @@ class KVTetherProvider(ModelProvider):
     server) that answers when the router cannot be reached; such turns are recorded as misses.
     ``pool``: your own ``AsyncSessionPool``; else one is made from ``max_sessions``,
     ``idle_ttl_s`` and ``settings``. ``hooks`` heartbeats while function tools run.
+    ``model``: what an agent that names no model gets (``get_model(None)``); by default the
+    model the router serves (its ``/v1/models``, asked once).
     """
 
     def __init__(
@@ -129,8 +142,10 @@ class KVTetherProvider(ModelProvider):
         max_sessions: int = 1024,
         idle_ttl_s: float | None = 900.0,
         settings: SessionSettings | None = None,
+        model: str | None = None,
     ) -> None:
         self._owned_client: openai.AsyncOpenAI | None = None
+        self._default_model = model
         if openai_client is None:
             if base_url is None:
                 raise ValueError("KVTetherProvider needs the router's base_url or an openai_client")
@@ -189,11 +204,27 @@ class KVTetherProvider(ModelProvider):
         return KVTetherHooks(self)
 
     def get_model(self, model_name: str | None) -> Model:
-        name = model_name or "default"
-        model = self._models.get(name)
+        name = model_name or self._default_model
+        model = self._models.get(name or "")
         if model is None:
-            model = self._models[name] = _TetheredModel(name, self._client, self)
+            model = self._models[name or ""] = _TetheredModel(name, self._client, self)
         return model
+
+    async def _default_model_name(self) -> str:
+        """The model an agent without one gets: ``model=``, else the router's first served."""
+        if self._default_model is None:
+            try:
+                served = [m.id async for m in self._client.models.list()]
+            except openai.OpenAIError as exc:
+                raise ValueError(
+                    "the agent names no model and the router's /v1/models could not be read "
+                    f"({exc}); name one (Agent(model=...)) or KVTetherProvider(model=...)"
+                ) from exc
+            if not served:
+                raise ValueError(
+                    "the router serves no model; name one: KVTetherProvider(model=...)")
+            self._default_model = served[0]
+        return self._default_model
 
     async def aclose(self) -> None:
         """Stop tool heartbeats still running and release the KV of every pooled session.
