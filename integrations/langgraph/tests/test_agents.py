@@ -18,7 +18,7 @@ from langgraph.prebuilt import ToolNode, create_react_agent
 from langgraph.warnings import LangGraphDeprecatedSinceV10
 from lg_support import FAST, chat_model, heartbeat_threads, tool_call_reply
 
-from kvtether_langgraph import KVTetherCallbackHandler, KVTetherMiddleware, tether
+from kvtether_langgraph import KVTetherCallbackHandler, KVTetherMiddleware, is_tethered, tether
 from tests.session.fake_router import FakeRouter
 
 
@@ -204,3 +204,24 @@ def test_the_models_key_or_the_middlewares_goes_on_heartbeats_and_release(
                          if r.path.startswith("/v1/sessions/")]
         assert len(session_calls) >= 2  # heartbeats while `add` ran, then the release
         assert set(session_calls) == {expected}
+
+
+def test_models_made_per_call_are_not_kept_forever(router: FakeRouter, pool: SessionPool) -> None:
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    middleware = KVTetherMiddleware(pool)
+
+    def through(model: Any) -> Any:
+        request = SimpleNamespace(model=model, override=lambda model: SimpleNamespace(model=model))
+        return middleware._tethered_request(request).model  # what wrap_model_call hands on
+
+    first = chat_model(router)
+    assert is_tethered(through(first)) and through(first) is through(first)  # reused
+    gone = weakref.ref(first)
+    del first
+    for _ in range(100):  # e.g. a dynamic-model middleware building one per call
+        assert is_tethered(through(chat_model(router)))
+    gc.collect()
+    assert gone() is None  # the middleware let go of it

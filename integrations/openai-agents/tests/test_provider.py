@@ -336,6 +336,30 @@ async def test_your_own_hooks_still_get_every_event(router: Any, provider: Any) 
     assert seen == ["llm", "start grep", "end grep", "llm"]
 
 
+async def test_every_hook_the_sdk_defines_reaches_your_hooks(provider: Any) -> None:
+    from agents import RunHooks
+
+    names = sorted(n for n in dir(RunHooks) if n.startswith("on_"))
+    got: list[str] = []
+
+    class Everything(RunHooks[Any]):
+        def __getattribute__(self, name: str) -> Any:
+            if name.startswith("on_"):
+                async def record(*args: Any, **kwargs: Any) -> None:
+                    got.append(name)
+                return record
+            return super().__getattribute__(name)
+
+    hooks = KVTetherHooks(provider, wrapped=Everything())
+    for name in names:
+        if name in ("on_tool_start", "on_tool_end"):
+            continue  # these also heartbeat (above)
+        await getattr(hooks, name)(None, None, None)
+    assert got == [n for n in names if n not in ("on_tool_start", "on_tool_end")]
+    # A hook a later SDK adds would be forwarded as well: the forwarders come from RunHooks.
+    assert all(getattr(KVTetherHooks, n) is not getattr(RunHooks, n) for n in names)
+
+
 @pytest.mark.parametrize("version", ["0.23.9", "0.25.0", "1.0.0", "garbage"])
 def test_an_unknown_sdk_version_is_refused_naming_the_range(version: str) -> None:
     with pytest.raises(UnsupportedAgentsVersionError, match=r">=0\.24,<0\.25") as info:

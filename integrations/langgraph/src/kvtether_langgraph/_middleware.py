@@ -12,6 +12,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from cachetools import LRUCache
 from kvtether import AsyncSessionPool, SessionPool
 from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResponse
 from langchain_core.messages import ToolMessage
@@ -26,6 +27,10 @@ from kvtether_langgraph._tools import session_for_tool
 __all__ = ["KVTetherMiddleware"]
 
 logger = logging.getLogger(__name__)
+
+# Distinct models whose tethered copies are kept (an agent has one or a few; a model built per
+# call would otherwise pile up).
+_TETHERED_MODELS = 32
 
 ToolResult = ToolMessage | Command[Any]
 
@@ -49,8 +54,9 @@ class KVTetherMiddleware(AgentMiddleware):
             pool if pool is not None else SessionPool(base_url, api_key=api_key)
         )
         self._lock = threading.Lock()
-        # id(model) -> (model, its tethered copy); the model is held so its id stays unique.
-        self._tethered: dict[int, tuple[Any, Any]] = {}
+        # id(model) -> (model, its tethered copy); the model is held so its id stays unique,
+        # and the least recently used pairs go, so models made per call are not kept forever.
+        self._tethered: LRUCache[int, tuple[Any, Any]] = LRUCache(maxsize=_TETHERED_MODELS)
         self._warned_untethered = False
 
     # --- model calls ------------------------------------------------------------------------

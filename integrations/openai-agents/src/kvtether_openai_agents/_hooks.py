@@ -40,22 +40,19 @@ class KVTetherHooks(RunHooks[Any]):
         finally:
             await self._provider._tool_ended(getattr(context, "tool_call_id", None))
 
-    async def on_llm_start(self, *args: Any) -> None:
-        if self._wrapped is not None:
-            await self._wrapped.on_llm_start(*args)
 
-    async def on_llm_end(self, *args: Any) -> None:
+def _forwarder(name: str) -> Any:
+    async def forward(self: KVTetherHooks, *args: Any, **kwargs: Any) -> None:
         if self._wrapped is not None:
-            await self._wrapped.on_llm_end(*args)
+            await getattr(self._wrapped, name)(*args, **kwargs)
 
-    async def on_agent_start(self, *args: Any) -> None:
-        if self._wrapped is not None:
-            await self._wrapped.on_agent_start(*args)
+    forward.__name__ = forward.__qualname__ = name
+    return forward
 
-    async def on_agent_end(self, *args: Any) -> None:
-        if self._wrapped is not None:
-            await self._wrapped.on_agent_end(*args)
 
-    async def on_handoff(self, *args: Any) -> None:
-        if self._wrapped is not None:
-            await self._wrapped.on_handoff(*args)
+# Every other hook the installed SDK defines goes to your hooks unchanged, so a hook a later
+# SDK adds is forwarded too.
+for _name in dir(RunHooks):
+    if _name.startswith("on_") and _name not in KVTetherHooks.__dict__:
+        setattr(KVTetherHooks, _name, _forwarder(_name))
+del _name
