@@ -70,7 +70,7 @@ def _stack(tmp_path_factory: pytest.TempPathFactory, offset: int, **overrides):
 def test_upstream_reads_decode_kv_on_non_streamed_turns(tmp_path_factory, reference_vllm):
     # The upstream policy on kvtether's (idle-sleeping) connector, as `kvtether bench` runs
     # its baselines, with decode's fixed 480 s hold as the lease. On vLLM's own connector
-    # (the policy's default) both engines busy-poll on CPU (README, "Running on CPU hosts"):
+    # (the policy's default) both engines busy-poll on CPU (docs/cpu-hosts.md):
     # in a CI run beside three other vLLM processes on 2 cores its first NIXL handshake
     # missed vLLM's fixed 5 s and the turn waiting on it hung for 10 minutes. vLLM's own
     # connector is exercised on the real stack by tests/bench/test_idle_bench.py.

@@ -93,7 +93,7 @@ class VariantResult:
     @property
     def eligible(self) -> int:
         """Turns 2+ that had something to reuse: fired, or a miss that lost KV (the router's
-        labels, README "The wire contract": ``first_turn``, ``no_conversation_id``,
+        labels, docs/wire-contract.md: ``first_turn``, ``no_conversation_id``,
         ``below_threshold`` and ``prefix_break`` are not eligible)."""
         return sum(t.reuse is not None and t.reuse.eligible for t in self.turns[1:])
 

@@ -1,8 +1,8 @@
 """Per-turn reuse outcomes and per-strategy metrics, the same arithmetic for every strategy.
 
 A turn's outcome is decided from token ids alone, so it means the same for a colocated vLLM and
-for any P/D router, and the same as the router's ``X-KVTether-Reuse`` label (README, wire
-contract):
+for any P/D router, and the same as the router's ``X-KVTether-Reuse`` label
+(docs/wire-contract.md):
 
 * ``reusable`` tokens: the longest common prefix of this turn's prompt and the token sequence
   the previous turn built (its prompt and its answer): what earlier turns had computed KV for.

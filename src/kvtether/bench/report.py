@@ -253,7 +253,7 @@ def render_sweep_markdown(result: dict[str, Any]) -> str:
         "",
         "TTFT: streamed turns 2+ (time to the first token through the SDK). turns/s: turns "
         "that completed over the level's wall time, first session start to last session end. "
-        "Reuse fired / eligible as in the plain bench (README, \"Benchmark: four "
+        "Reuse fired / eligible as in the plain bench (docs/benchmark.md, \"Benchmark: four "
         "strategies\"); divergent: outputs that differ from colocated's at the same level.",
         "",
     ]

@@ -25,7 +25,7 @@ __all__ = [
 # ``kv_block_size_tokens``: both public names, one rule.
 KVBlockSizeTokens = Annotated[int, Field(ge=1)]
 
-# How the router reuses a conversation's decode-held KV (README, "Reuse policies"):
+# How the router reuses a conversation's decode-held KV (docs/reuse-policies.md):
 # * kvtether: decode affinity, prefix-checked (maybe truncated) handles, leases, releases,
 #   a retained-token budget, handles of streamed turns fetched from the kvtether connector.
 # * upstream: what vLLM 0.32 ships for bidirectional P/D (its example proxy with

@@ -27,9 +27,9 @@ _CPU: dict[str, Any] = {
     "kv_cache_space_gib": 1,
     "kv_buffer_device": "cpu",
     "gpu_memory_utilization": None,
-    # An idle stack sleeps (measured in benchmarks/bench_idle.py; README "Running on CPU
-    # hosts"): the engine parks while it only holds KV for a remote reader, NIXL's progress
-    # thread waits in poll() instead of spinning, the worker stops spinning on its RPC queue
+    # An idle stack sleeps (measured in benchmarks/bench_idle.py; docs/cpu-hosts.md): the
+    # engine parks while it only holds KV for a remote reader, NIXL's progress thread waits in
+    # poll() instead of spinning, the worker stops spinning on its RPC queue
     # soon after a step, and UCX locks with a mutex rather than a spinlock (two cores, four
     # processes: a spinning waiter steals the core its lock holder needs).
     "idle_sleep": True,
