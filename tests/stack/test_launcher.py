@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from kvtether.stack import _procs
-from kvtether.stack._errors import (
+from kvtether.errors import (
     InstanceFailedError,
     PortInUseError,
     StackAlreadyRunningError,

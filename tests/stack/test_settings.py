@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from kvtether.stack._errors import ConfigError
+from kvtether.errors import ConfigError
 from kvtether.stack.profiles import PROFILES
 from kvtether.stack.settings import StackSettings, stack_settings_subset
 

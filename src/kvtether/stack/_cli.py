@@ -8,7 +8,7 @@ from types import FrameType
 from typing import Any
 
 from kvtether.stack._commands import CommandBuilder
-from kvtether.stack._errors import InstanceFailedError
+from kvtether.errors import InstanceFailedError
 from kvtether.stack._procs import tail
 from kvtether.stack._state import state_path
 from kvtether.errors import RestartsExhaustedError

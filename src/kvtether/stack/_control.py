@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 
 from kvtether.stack import _procs
-from kvtether.stack._errors import StackError, StackNotRunningError
+from kvtether.errors import StackError, StackNotRunningError
 from kvtether.stack._health import probe
 from kvtether.stack._state import ProcessRecord, load_state, remove_state
 

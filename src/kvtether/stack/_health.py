@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from kvtether.stack._errors import InstanceFailedError
+from kvtether.errors import InstanceFailedError
 from kvtether.stack._procs import tail
 
 __all__ = ["Starting", "probe", "wait_healthy"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvtether.stack import _procs
 from kvtether.stack._commands import InstancePlan
-from kvtether.stack._errors import ConfigError, PortInUseError
+from kvtether.errors import ConfigError, PortInUseError
 from kvtether.stack._state import Role
 from kvtether.stack._store import find_store_server
 from kvtether.stack.settings import LOCAL_STORE, StackSettings

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvtether.stack import _procs
 from kvtether.stack._commands import CommandBuilder, InstancePlan, VllmCommands
-from kvtether.stack._errors import PortInUseError
+from kvtether.errors import PortInUseError
 from kvtether.stack._health import Starting, wait_healthy
 from kvtether.stack.settings import StackSettings, resolve_model
 

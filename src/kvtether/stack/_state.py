@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
-from kvtether.stack._errors import StackError
+from kvtether.errors import StackError
 
 __all__ = ["Role", "ProcessRecord", "StackState", "state_path", "load_state", "save_state"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from kvtether.stack._errors import ConfigError
+from kvtether.errors import ConfigError
 
 __all__ = ["STORE_SERVERS", "find_store_server", "store_server_argv"]
 

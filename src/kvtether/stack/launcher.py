@@ -32,7 +32,7 @@ from kvtether.stack._control import (
     status_of,
     stop_records,
 )
-from kvtether.stack._errors import (
+from kvtether.errors import (
     ConfigError,
     InstanceFailedError,
     StackAlreadyRunningError,

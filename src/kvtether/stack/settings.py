@@ -22,7 +22,7 @@ from pydantic_settings import (
 )
 
 from kvtether.router.settings import AccessSettings, KVBlockSizeTokens, RetentionSettings
-from kvtether.stack._errors import ConfigError
+from kvtether.errors import ConfigError
 from kvtether.stack.profiles import DEFAULT_PROFILE, ProfileName, profile_defaults
 
 __all__ = [
