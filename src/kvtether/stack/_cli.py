@@ -8,10 +8,9 @@ from types import FrameType
 from typing import Any
 
 from kvtether.stack._commands import CommandBuilder
-from kvtether.errors import InstanceFailedError
+from kvtether.errors import InstanceFailedError, RestartsExhaustedError
 from kvtether.stack._procs import tail
 from kvtether.stack._state import state_path
-from kvtether.errors import RestartsExhaustedError
 from kvtether.stack.launcher import Stack, stack_down, stack_status
 from kvtether.stack.settings import StackSettings
 

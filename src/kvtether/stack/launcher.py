@@ -22,7 +22,13 @@ from typing import Any
 
 import httpx
 
-from kvtether.errors import KVTetherError
+from kvtether.errors import (
+    ConfigError,
+    InstanceFailedError,
+    KVTetherError,
+    StackAlreadyRunningError,
+    StackError,
+)
 from kvtether.stack import _procs
 from kvtether.stack._commands import CommandBuilder, InstancePlan, VllmCommands
 from kvtether.stack._control import (
@@ -31,12 +37,6 @@ from kvtether.stack._control import (
     stack_status,
     status_of,
     stop_records,
-)
-from kvtether.errors import (
-    ConfigError,
-    InstanceFailedError,
-    StackAlreadyRunningError,
-    StackError,
 )
 from kvtether.stack._health import Starting, wait_healthy
 from kvtether.stack._plan import check_ports, plan_processes, start_phases
