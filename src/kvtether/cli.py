@@ -28,7 +28,7 @@ from pydantic_settings import (
 )
 
 from kvtether.errors import KVTetherError
-from kvtether.protocol import first_field_error
+from kvtether._validation import first_field_error
 from kvtether.router.front import FrontSettings
 from kvtether.router.settings import RouterSettings
 from kvtether.stack.models import ModelName
@@ -74,7 +74,7 @@ class StackUp(StackSettings):
     """Start N prefill + M decode vLLM instances and the router; Ctrl-C stops them."""
 
     def cli_cmd(self) -> None:
-        from kvtether.stack._cli import run_up
+        from kvtether.stack.cli import run_up
 
         raise _Exit(run_up(self))
 
@@ -91,7 +91,7 @@ class StackStatus(_StackTarget):  # type: ignore[misc, valid-type]
     """Show role, URL, pid, liveness and health of each process of the running stack."""
 
     def cli_cmd(self) -> None:
-        from kvtether.stack._cli import run_status
+        from kvtether.stack.cli import run_status
 
         raise _Exit(run_status(self.state_dir))
 
@@ -100,7 +100,7 @@ class StackDown(_StackStopTarget):  # type: ignore[misc, valid-type]
     """Stop every process of the running stack (from any shell)."""
 
     def cli_cmd(self) -> None:
-        from kvtether.stack._cli import run_down
+        from kvtether.stack.cli import run_down
 
         raise _Exit(run_down(self.state_dir, self.stop_timeout_s))
 

@@ -42,8 +42,8 @@ from kvtether.protocol import (
     ConnectorStatus,
     LeaseRenewRequest,
     error_body,
-    first_field_error,
 )
+from kvtether._validation import first_field_error
 
 __all__ = ["ControlServer", "render_metrics", "MAX_WAIT_S"]
 

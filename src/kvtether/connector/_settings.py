@@ -18,7 +18,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from kvtether.errors import ConfigError
-from kvtether.protocol import CONTROL_SECRET_ENV, first_field_error
+from kvtether._validation import first_field_error
+from kvtether.protocol import CONTROL_SECRET_ENV
 
 __all__ = ["ConnectorSettings", "CONTROL_PORT_ENV", "CONTROL_SECRET_ENV", "is_loopback"]
 

@@ -59,8 +59,6 @@ from kvtether.protocol._models import (
 from kvtether.protocol._errors import (
     error_body,
     ErrorBody,
-    FieldError,
-    first_field_error,
 )
 from kvtether.protocol._prefix import (
     block_hashes,
@@ -153,8 +151,6 @@ __all__ = [
     "KV_PARAM_PULL",
     "KV_PARAM_TIMINGS",
     "PREFILL_READ_MARGIN_S",
-    "FieldError",
-    "first_field_error",
     "truncate_handle",
     "LeaseState",
     "PullOutcome",

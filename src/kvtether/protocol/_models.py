@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvtether.protocol._errors import first_field_error
+from kvtether._validation import first_field_error
 from kvtether.protocol._outcome import ReuseOutcome, parse_reuse_header
 from kvtether.protocol._wire import HEADER_HINTS
 

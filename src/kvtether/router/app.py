@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvtether import protocol as p
+from kvtether._validation import first_field_error
 from kvtether.router._clock import Clock, SystemClock
 from kvtether.router._deps import RouterDeps
 from kvtether.router._errors import RouterHTTPError, UpstreamError, error_response
@@ -301,7 +302,7 @@ def _hints(request: Request, body: dict[str, Any]) -> p.TurnHints | None:
             return p.TurnHints.model_validate(body[p.BODY_HINTS])
     except ValidationError as exc:
         raise RouterHTTPError(
-            400, f"invalid {p.BODY_HINTS}: {p.first_field_error(exc)}", param=p.BODY_HINTS
+            400, f"invalid {p.BODY_HINTS}: {first_field_error(exc)}", param=p.BODY_HINTS
         ) from None
     except ValueError as exc:  # the header's own parse errors, already readable
         raise RouterHTTPError(400, str(exc), param=p.BODY_HINTS) from None

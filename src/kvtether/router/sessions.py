@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvtether import protocol as p
+from kvtether._validation import first_field_error
 from kvtether.router._deps import RouterDeps
 from kvtether.router._errors import RouterHTTPError
 from kvtether.router.access import tenant_of
@@ -119,7 +120,7 @@ class SessionAPI:
         except json.JSONDecodeError as exc:
             raise RouterHTTPError(400, f"heartbeat body is not valid JSON: {exc}") from None
         except ValidationError as exc:
-            err = p.first_field_error(exc)
+            err = first_field_error(exc)
             raise RouterHTTPError(400, f"invalid heartbeat: {err}", param=err.loc) from None
 
         now = self.clock.now_unix_s()
