@@ -9,7 +9,7 @@ import sys
 from stack_fakes import FakeCommands
 
 from kvtether.cli import configure_logging
-from kvtether.stack._cli import run_up
+from kvtether.stack.cli import run_up
 from kvtether.stack.settings import StackSettings
 
 if __name__ == "__main__":

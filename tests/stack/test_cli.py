@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import kvtether.stack._cli as stack_cli
+import kvtether.stack.cli as stack_cli
 from kvtether.cli import main
 from kvtether.router.settings import RouterSettings
 from kvtether.stack.settings import StackSettings
