@@ -11,7 +11,10 @@ Load it on every prefill and decode instance with::
 
 vLLM's factory imports ``kv_connector_module_path`` and takes the class named
 ``kv_connector`` from it; the class keeps upstream's name because vLLM checks for
-``"NixlConnector"`` by name (``config/vllm.py``, ``platforms/cpu.py``).
+``"NixlConnector"`` by name (``config/vllm.py``, ``platforms/cpu.py``). The module is over 400
+lines on purpose: its three classes override one upstream module's three classes and are
+read against each other; what stands alone (leases, prefix check, control API, stall watch)
+has its own module.
 
 The scheduler side does the work; workers run upstream code, except that decode's worker
 credits its heartbeats when it checks prefill's deadline (below). The flow on decode (D):

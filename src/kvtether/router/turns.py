@@ -3,7 +3,8 @@
 The runner decides; the legs (:mod:`.legs`), the answer's relay (:mod:`.relay`) and what is
 retained on D (:mod:`.retention`) are done by their own modules. How a turn reuses KV depends
 on the reuse policy (``RouterSettings.reuse_policy``); how its outcome is reported does not
-(:func:`reuse_outcome`).
+(:func:`reuse_outcome`). The module is over 400 lines because one turn's decisions read top to
+bottom in one class; every part that stands alone has left for its own module.
 """
 
 from __future__ import annotations

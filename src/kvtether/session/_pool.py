@@ -9,7 +9,9 @@ threads, find their session from the ``tool_call_id`` the model's reply gave the
 Idle sessions leave the pool (least recently used beyond ``max_sessions``, or unused for
 ``idle_ttl_s``) *without* releasing their KV: the conversation may come back, and its new
 session has the same id, so the router keeps the KV until the lease lapses. ``close()``
-releases the KV of every session still pooled. The twins differ only in that I/O.
+releases the KV of every session still pooled. The twins differ only in that I/O; they sit
+beside their shared base so that they change together, which is why this module is over
+400 lines.
 """
 
 from __future__ import annotations
