@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvtether-setup-$(shell cat $(SETUP_INPUTS) | sha1sum | cut -c1
 # The integrations' tests, where their distributions are installed (Python >= 3.11).
 INTEGRATION_TESTS = $$($(PY) -c 'import sys; print("integrations/langgraph/tests integrations/openai-agents/tests" if sys.version_info >= (3, 11) else "")')
 
-.PHONY: setup demo test test-fast bench bench-idle clean
+.PHONY: setup demo test test-fast bench bench-idle notebooks clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ bench: setup
 
 bench-idle: setup
 	$(PY) -m kvtether bench idle
+
+# Re-run examples/*.ipynb on one bundled smol stack and save them with their outputs (~10 min).
+notebooks: setup
+	$(PY) scripts/run-notebooks.py
 
 clean:
 	-$(PY) -m kvtether stack down 2>/dev/null

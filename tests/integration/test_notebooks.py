@@ -2,8 +2,10 @@
 
 The notebooks run against the ``short_lease`` router (10 s leases), so the LangGraph notebook's
 slow tool outlasts the decode lease and the KV survives only if heartbeats renew it. Each
-notebook prints ``KVTETHER_OUTCOMES {json}`` (per conversation, each turn's outcome) and ends
-with a chart of reused vs. recomputed prompt tokens.
+notebook ends with a chart of reused vs. recomputed prompt tokens and leaves its turns in
+``turns`` (a list, or a dict of lists per conversation); the test appends one cell of its own
+that prints each turn's outcome as ``KVTETHER_OUTCOMES {json}``, so the notebooks carry no
+test-only lines.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
 MARK = "KVTETHER_OUTCOMES "
+REPORT_CELL = f"""import json as _json
+_turns = turns if isinstance(turns, dict) else {{"conversation": turns}}
+print({MARK.strip()!r}, _json.dumps({{k: [t.outcome for t in v] for k, v in _turns.items()}}))
+"""
 
 
 def _outputs(nb, kind: str) -> list[dict]:
@@ -43,6 +49,7 @@ def test_notebook_runs(path: Path, short_lease, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [*map(str, paths), *filter(None, [os.environ.get("PYTHONPATH", "")])]))
     nb = nbformat.read(path, as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell(REPORT_CELL))
     client = NotebookClient(nb, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(EXAMPLES)}})
     started = time.monotonic()
@@ -51,9 +58,9 @@ def test_notebook_runs(path: Path, short_lease, monkeypatch):
     errors = _outputs(nb, "error")
     assert not errors, errors
 
-    last = nb.cells[-1]
-    assert last.cell_type == "code"
-    assert any("image/png" in o.get("data", {}) for o in last.get("outputs", [])), last.outputs
+    chart = nb.cells[-2]  # the notebook's own last cell
+    assert chart.cell_type == "code"
+    assert any("image/png" in o.get("data", {}) for o in chart.get("outputs", [])), chart.outputs
 
     lines = [line for o in _outputs(nb, "stream") for line in o.get("text", "").splitlines()
              if line.startswith(MARK)]
