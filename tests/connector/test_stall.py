@@ -10,13 +10,7 @@ import time
 import pytest
 
 from kvtether.connector._stall import StepWatch, thread_stacks
-
-
-def _wait_for(cond, timeout_s: float = 5.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
+from tests.support.waiting import wait_for
 
 
 def test_a_step_longer_than_the_limit_is_reported_once() -> None:
@@ -24,12 +18,12 @@ def test_a_step_longer_than_the_limit_is_reported_once() -> None:
     watch = StepWatch(0.1, report=reported.append)
     try:
         watch.begin()
-        _wait_for(lambda: reported)
+        wait_for(lambda: reported)
         time.sleep(0.3)
         assert len(reported) == 1 and reported[0] >= 0.1  # once per stall, not every 0.1 s
         watch.end()
         watch.begin()  # the next stall is reported again
-        _wait_for(lambda: len(reported) == 2)
+        wait_for(lambda: len(reported) == 2)
         watch.end()
     finally:
         watch.close()
@@ -61,8 +55,8 @@ def test_the_report_names_the_stuck_thread_and_its_line(caplog: pytest.LogCaptur
     try:
         with caplog.at_level(logging.WARNING, logger="kvtether.connector._stall"):
             watch.begin()
-            _wait_for(lambda: watch.reports == 1)
-            _wait_for(lambda: "threads are at" in caplog.text)
+            wait_for(lambda: watch.reports == 1)
+            wait_for(lambda: "threads are at" in caplog.text)
             watch.end()
         assert "--- thread worker-main" in caplog.text and "hung_in_nixl" in caplog.text
         assert "ended after" in caplog.text
@@ -81,10 +75,10 @@ def test_a_failing_report_does_not_stop_the_watch() -> None:
     watch = StepWatch(0.05, report=report)
     try:
         watch.begin()
-        _wait_for(lambda: len(calls) == 1)
+        wait_for(lambda: len(calls) == 1)
         watch.end()
         watch.begin()
-        _wait_for(lambda: len(calls) == 2)
+        wait_for(lambda: len(calls) == 2)
     finally:
         watch.close()
 
@@ -154,7 +148,7 @@ def test_the_native_watchdog_is_kept_armed_while_steps_run_and_cancelled_when_id
         assert watch.native_armed
         assert len(native.armed) >= 3  # armed by the first begin, re-armed by the thread
         assert all(s == 0.4 for s in native.armed)
-        _wait_for(lambda: not watch.native_armed)  # idle: cancelled
+        wait_for(lambda: not watch.native_armed)  # idle: cancelled
         assert native.cancelled == len(native.armed)
         armed = len(native.armed)
         watch.begin()  # the first step after idle arms it again, from the step's thread
@@ -170,7 +164,7 @@ def test_a_step_stuck_with_python_running_is_reported_from_python_not_natively()
     watch = StepWatch(0.3, report=reported.append, native=native)
     try:
         watch.begin()
-        _wait_for(lambda: reported)
+        wait_for(lambda: reported)
         assert not watch.native_armed and native.cancelled == len(native.armed)
         watch.end()
     finally:
@@ -198,3 +192,51 @@ def test_a_call_holding_the_gil_is_reported_by_the_native_watchdog(tmp_path) -> 
     assert r.returncode == 0, r.stderr
     assert "Timeout (0:00:00.400000)!" in r.stderr, r.stderr
     assert "stuck_in_nixl" in r.stderr
+
+
+def test_the_watched_cpu_worker_brackets_each_step_rpc_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``WatchedCPUWorker`` watches execute_model and sample_tokens from entry to return, also
+    when they raise; a stall outside the connector's part of a step is reported too."""
+    pytest.importorskip("vllm")
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    from kvtether.connector.worker import WatchedCPUWorker
+
+    seen: list[str] = []
+
+    class Watch(_Watch):
+        def begin(self) -> None:
+            seen.append("begin")
+
+        def end(self) -> None:
+            seen.append("end")
+
+    worker = object.__new__(WatchedCPUWorker)
+    worker._rpc_watch = Watch()
+    monkeypatch.setattr(CPUWorker, "execute_model",
+                        lambda self, out: seen.append(f"execute {out}") or "ran", raising=False)
+    monkeypatch.setattr(CPUWorker, "sample_tokens",
+                        lambda self, g: (_ for _ in ()).throw(RuntimeError("sampling")),
+                        raising=False)
+    assert worker.execute_model("step-1") == "ran"
+    with pytest.raises(RuntimeError):
+        worker.sample_tokens(None)
+    assert seen == ["begin", "execute step-1", "end", "begin", "end"]
+
+
+def test_one_watch_per_process_and_the_connector_defers_to_the_whole_rpc_watch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvtether.connector import _stall
+
+    monkeypatch.setattr(_stall, "_process_watch", None)
+    monkeypatch.setattr(_stall, "_rpcs_watched", False)
+    created: list[StepWatch] = []
+    monkeypatch.setattr(_stall, "StepWatch",
+                        lambda after_s, native: created.append(object()) or created[-1])
+    assert not _stall.rpcs_watched()
+    first = _stall.process_watch(60.0)
+    assert _stall.watch_whole_rpcs(60.0) is first and _stall.rpcs_watched()
+    assert len(created) == 1

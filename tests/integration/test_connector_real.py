@@ -82,7 +82,8 @@ def _launch(name: str, idx: int, tmp: Path, extra_args: list[str]) -> Instance:
             "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "4096",
             "--enforce-eager", "--kv-transfer-config", json.dumps(kv_config),
-            "--scheduler-cls", "kvtether.connector.scheduler.IdleSleepScheduler", *extra_args]
+            "--scheduler-cls", "kvtether.connector.scheduler.IdleSleepScheduler",
+            "--worker-cls", "kvtether.connector.worker.WatchedCPUWorker", *extra_args]
     log = tmp / f"{name}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,

@@ -138,6 +138,7 @@ def test_cpu_profiles_let_an_idle_stack_sleep() -> None:
         assert _flag(cmd.argv, "--scheduler-cls") == (
             "kvtether.connector.scheduler.IdleSleepScheduler"
         )
+        assert _flag(cmd.argv, "--worker-cls") == "kvtether.connector.worker.WatchedCPUWorker"
         extra = json.loads(_flag(cmd.argv, "--kv-transfer-config"))["kv_connector_extra_config"]
         assert extra["kvtether_progress_thread_delay_us"] == 2000
         assert extra["kvtether_rpc_busy_loop_s"] == 0.02
@@ -148,6 +149,7 @@ def test_cpu_profiles_let_an_idle_stack_sleep() -> None:
 def test_gpu_profile_keeps_vllm_behaviour() -> None:
     cmd = VllmCommands().command(_plan("decode"), StackSettings(profile="gpu"))
     assert "--scheduler-cls" not in cmd.argv
+    assert "--worker-cls" not in cmd.argv  # the watched worker is vLLM's CPU worker
     extra = json.loads(_flag(cmd.argv, "--kv-transfer-config"))["kv_connector_extra_config"]
     assert not {"kvtether_progress_thread_delay_us", "kvtether_rpc_busy_loop_s"} & set(extra)
     assert "UCX_USE_MT_MUTEX" not in cmd.env
@@ -157,6 +159,7 @@ def test_upstream_connector_gets_no_kvtether_scheduler() -> None:
     # The sleeping scheduler needs the kvtether connector's lease table to know when to wake.
     cmd = VllmCommands().command(_plan("decode"), StackSettings(connector="nixl"))
     assert "--scheduler-cls" not in cmd.argv
+    assert "--worker-cls" not in cmd.argv
 
 
 def test_idle_settings_can_be_switched_off_and_the_callers_env_wins(

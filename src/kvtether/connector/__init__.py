@@ -7,6 +7,8 @@ package itself does not import vLLM. Parts:
   the prefill-side prefix check (imports vLLM; checks its version first).
 * ``scheduler`` — ``IdleSleepScheduler`` (vLLM ``--scheduler-cls``): an engine that only
   holds KV for a remote reader sleeps until there is work (imports vLLM).
+* ``worker`` — ``WatchedCPUWorker`` (vLLM ``--worker-cls``): vLLM's CPU worker with each
+  engine-step RPC watched for a stall (imports vLLM).
 * ``_idle`` — when a sleeping engine wakes (deadlines, control operations, a slow tick).
 * ``_quiet`` — worker-process idle settings: NIXL progress-thread delay, RPC spin window.
 * ``_stall`` — a worker step that does not end is logged with every thread's stack.

@@ -29,7 +29,10 @@ import traceback
 from collections.abc import Callable
 from typing import Protocol
 
-__all__ = ["FaulthandlerWatchdog", "NativeWatchdog", "StepWatch", "thread_stacks"]
+__all__ = [
+    "FaulthandlerWatchdog", "NativeWatchdog", "StepWatch", "process_watch", "rpcs_watched",
+    "thread_stacks", "watch_whole_rpcs",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -164,3 +167,28 @@ class StepWatch:
             "kvtether: this worker's engine step has run for %.0f s (vLLM ends the engine at "
             "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 s by default); its threads are at:\n%s",
             running_s, thread_stacks())
+
+
+# --- one watch per worker process ------------------------------------------------------------
+_process_watch: StepWatch | None = None
+_rpcs_watched = False
+
+
+def process_watch(after_s: float) -> StepWatch:
+    """The worker process's one :class:`StepWatch` (faulthandler's watchdog is per process)."""
+    global _process_watch
+    if _process_watch is None:
+        _process_watch = StepWatch(after_s, native=FaulthandlerWatchdog())
+    return _process_watch
+
+
+def watch_whole_rpcs(after_s: float) -> StepWatch:
+    """Called by :class:`~kvtether.connector.worker.WatchedCPUWorker`: the worker's engine-step
+    RPCs are watched whole, so the connector does not watch its part of them as well."""
+    global _rpcs_watched
+    _rpcs_watched = True
+    return process_watch(after_s)
+
+
+def rpcs_watched() -> bool:
+    return _rpcs_watched

@@ -80,7 +80,7 @@ from kvtether.connector._prefix import (  # noqa: E402
     decide_prefix,
 )
 from kvtether.connector._settings import ConnectorSettings  # noqa: E402
-from kvtether.connector._stall import FaulthandlerWatchdog, StepWatch  # noqa: E402
+from kvtether.connector._stall import process_watch, rpcs_watched  # noqa: E402
 from kvtether.errors import ConfigError  # noqa: E402
 from kvtether.protocol import (  # noqa: E402
     KV_PARAM_HANDLE_KEY,
@@ -409,10 +409,10 @@ class KVTetherWorker(NixlPullConnectorWorker):
         self._heartbeats: TTLCache[str, tuple[float, float, bool]] = TTLCache(
             maxsize=65536, ttl=max(1.0, float(self._lease_extension))
         )
-        # A step that does not end is logged with every thread's stack (see ._stall).
-        self._step_watch = (None if settings.stall_report_s is None
-                            else StepWatch(settings.stall_report_s,
-                                           native=FaulthandlerWatchdog()))
+        # A step that does not end is logged with every thread's stack (see ._stall); under
+        # WatchedCPUWorker the whole RPC is watched instead of the connector's part of it.
+        self._step_watch = (None if settings.stall_report_s is None or rpcs_watched()
+                            else process_watch(settings.stall_report_s))
 
     def step_began(self) -> None:
         """The engine sent this worker a step (before its forward pass)."""

@@ -27,6 +27,8 @@ VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # The kvtether connector keeps upstream's class name: some vLLM code checks for it by name.
 KVTETHER_CONNECTOR_MODULE = "kvtether.connector.nixl"
 IDLE_SLEEP_SCHEDULER = "kvtether.connector.scheduler.IdleSleepScheduler"
+# Each engine-step RPC of a CPU worker watched whole for a stall (kvtether.connector.worker).
+WATCHED_CPU_WORKER = "kvtether.connector.worker.WatchedCPUWorker"
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,8 @@ class VllmCommands:
             argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
             if settings.connector == "kvtether" and settings.idle_sleep:
                 argv += ["--scheduler-cls", IDLE_SLEEP_SCHEDULER]
+            if settings.connector == "kvtether" and settings.device == "cpu":
+                argv += ["--worker-cls", WATCHED_CPU_WORKER]
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = plan.host
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(plan.side_channel_port)
             if settings.connector == "kvtether" and plan.control_port is not None:
