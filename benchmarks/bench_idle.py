@@ -1,6 +1,6 @@
 """What an idle P/D stack costs, stock vs kvtether: `kvtether bench idle`, as a script.
 
-    .venv/bin/python benchmarks/bench_idle.py [--profile cpu-tiny] [--json out.json]
+    .venv/bin/python -m benchmarks.bench_idle [--profile cpu-tiny] [--json out.json]
 
 Starts the stack twice (vLLM's upstream NixlConnector with its defaults, then kvtether's
 defaults) and prints, for each: CPU of the whole stack over 60 s idle with one retained lease,

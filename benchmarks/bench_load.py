@@ -3,19 +3,17 @@
 Prints turn latency, the router's overhead per turn (latency minus the fakes' own time for the
 turn's prefill and decode legs) and heartbeat latency, p50 and p99.
 
-    python benchmarks/bench_load.py [--conversations 200] [--turns 4] [--fakes-in-process]
+    python -m benchmarks.bench_load [--conversations 200] [--turns 4] [--fakes-in-process]
+
+(from the repository root: it drives tests.support.load)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.router.load import run_load  # noqa: E402
+from tests.support.load import run_load
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()

@@ -1,4 +1,4 @@
-"""Router overhead, in-process, against the fake vLLM P/D backend of tests/router.
+"""Router overhead, in-process, against the fake vLLM P/D backend of tests.support.
 
 Measures, on one event loop (one core):
 
@@ -10,7 +10,9 @@ Measures, on one event loop (one core):
   straight on the ASGI app (router cost only) and through an httpx client; with the upstream
   connector (router table only) and with the kvtether connector (adds the renew call to D).
 
-Plain script, no assertions:  python benchmarks/bench_router.py [--turns 400] [--quick]
+Plain script, no assertions; from the repository root:
+
+    python -m benchmarks.bench_router [--turns 400] [--quick]
 """
 
 from __future__ import annotations
@@ -21,15 +23,12 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
 import httpx
-from router.conftest import SYSTEM_PROMPT, make_router
 
 from kvtether import protocol as p
+from tests.support.router_harness import SYSTEM_PROMPT, make_router
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -1,6 +1,6 @@
 """What the session layer costs per request, and how well it predicts the next turn.
 
-    python benchmarks/bench_session.py [--requests 300] [--sessions 200]
+    python -m benchmarks.bench_session [--requests 300] [--sessions 200]
 
 Overhead: the same OpenAI SDK calls against an in-process mock server (no network), with and
 without ``session.wrap``; the difference of medians is the wrapper's cost per request (prefix

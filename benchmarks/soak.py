@@ -1,7 +1,7 @@
 """Soak: N agent conversations at once, with tool gaps, for M minutes, on the real stack.
 
-    .venv/bin/python benchmarks/soak.py --conversations 16 --minutes 30
-    .venv/bin/python benchmarks/soak.py --url http://127.0.0.1:8000 --minutes 10
+    .venv/bin/python -m benchmarks.soak --conversations 16 --minutes 30
+    .venv/bin/python -m benchmarks.soak --url http://127.0.0.1:8000 --minutes 10
 
 Without ``--url`` it starts a P/D stack (``--profile cpu-bench``, ``--prefill 1 --decode 1``,
 prefill prefix cache off as in ``kvtether bench``, router on ``--port``, state and logs in

@@ -1,41 +1,26 @@
-"""benchmarks/soak.py, run for a few seconds against the kvtether router over fake vLLM P/D."""
+"""benchmarks.soak, run for a few seconds against the kvtether router over fake vLLM P/D."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from benchmarks import soak
 from kvtether.router import RouterSettings, create_app
-from tests.integration.conftest import serve_app
-from tests.router.fake_vllm import BLOCK_SIZE, Cluster, FakeVLLM, RoutingTransport
+from tests.support.fake_vllm import BLOCK_SIZE, Cluster, FakeVLLM, RoutingTransport
+from tests.support.servers import serve_app
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 # A soak of a few seconds: three conversations, tool gaps of ~10 ms, a window a second.
 QUICK = ["--conversations", "3", "--minutes", "0.05", "--window-s", "1", "--tool-s", "0.01",
          "--turns", "2", "4", "--prompt-tokens", "20", "--turn-timeout-s", "30"]
-
-
-def _load_script() -> ModuleType:
-    # benchmarks/ is no package: load the script as a module of its own.
-    spec = importlib.util.spec_from_file_location("kvtether_soak_script", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while they are built
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = _load_script()
 
 
 @contextlib.contextmanager

@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -27,8 +23,8 @@ from kvtether.bench.replay import replay
 from kvtether.bench.scenario import Scenario, generate_scenario, load_scenario
 from kvtether.bench.strategies import STRATEGIES, Endpoints, Strategy, StrategyOptions
 from kvtether.bench.sweep import ttft_ratios
-
-from ..router.fake_vllm import BLOCK_SIZE, MODEL, Cluster, FakeVLLM
+from tests.support.fake_vllm import BLOCK_SIZE, MODEL, Cluster, FakeVLLM
+from tests.support.servers import AppServer
 
 COMPRESS = 200.0  # tool and think gaps of a few workload minutes last about a second
 
@@ -60,22 +56,10 @@ class SessionsInFlight(FakeVLLM):
 @contextlib.contextmanager
 def serving(make: Any) -> Iterator[FakeVLLM]:
     """``make(port)`` -> a fake, served over HTTP on that port from a thread."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    fake = make(sock.getsockname()[1])
-    server = uvicorn.Server(uvicorn.Config(fake.app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "fake server did not start"
-        time.sleep(0.01)
-    try:
+    with AppServer() as server:
+        fake = make(server.port)
+        server.start(fake.app, name="fake-vllm", lifespan="off")
         yield fake
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 def endpoints(fake: FakeVLLM) -> Endpoints:

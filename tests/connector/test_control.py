@@ -18,6 +18,7 @@ import pytest
 from kvtether.connector._control import ControlServer, render_metrics
 from kvtether.connector._leases import LeaseTable
 from kvtether.protocol import ConnectorStatus, HandleResponse, LeaseInfo, LeaseList
+from tests.support.waiting import wait_for
 
 
 class FakeEngine:
@@ -104,9 +105,8 @@ def test_expiry_and_consumption_are_visible(stack: tuple[httpx.Client, FakeEngin
     engine.finish_turn("short", "r-short", ttl_s=0.3)
     engine.finish_turn("read", "r-read", ttl_s=30)
     engine.consumed.add("r-read")
-    deadline = time.monotonic() + 10
-    while client.get("/status").json()["totals"]["retained_tokens"] and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: not client.get("/status").json()["totals"]["retained_tokens"],
+             timeout_s=10, interval_s=0.05, message="no retained tokens")
     listing = LeaseList.model_validate(client.get("/leases").json())
     states = {x.key: x.state.value for x in listing.recently_ended}
     assert states == {"short": "expired", "read": "consumed"}

@@ -22,6 +22,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from kvtether.connector._leases import Reply  # noqa: E402
 from kvtether.connector._prefix import annotate_handle  # noqa: E402
 from kvtether.protocol import HandleResponse, LeaseInfo  # noqa: E402
+from tests.support.waiting import wait_for  # noqa: E402
 
 from .harness import Harness  # noqa: E402
 
@@ -60,9 +61,8 @@ def call_during_step(h: Harness, call: Callable[[], Reply]) -> tuple[Reply, Any]
     result: list[Reply] = []
     thread = threading.Thread(target=lambda: result.append(call()))
     thread.start()
-    deadline = time.monotonic() + 5
-    while not h.conn.leases._ops and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.001)
+    wait_for(lambda: h.conn.leases._ops or not thread.is_alive(), timeout_s=5, interval_s=0.001,
+             message="the call to wait for the engine loop")
     out = h.step()
     thread.join(timeout=5)
     return result[0], out.kv_connector_metadata
@@ -113,11 +113,14 @@ def test_renew_reaches_worker_and_release_frees_blocks_in_one_step(tmp_path: Pat
 def test_short_lease_expires_and_frees(tmp_path: Path) -> None:
     h = Harness(tmp_path)
     finish_decode_turn(h, "d-1", "key-1", kvtether_lease_ttl_s=0.3)
-    deadline = time.monotonic() + 5
-    while "d-1" in h.scheduler.requests and time.monotonic() < deadline:
+
+    def freed() -> bool:  # else one more engine step
+        if "d-1" not in h.scheduler.requests:
+            return True
         h.step()
-        time.sleep(0.02)
-    assert "d-1" not in h.scheduler.requests
+        return False
+
+    wait_for(freed, timeout_s=5, interval_s=0.02, message="d-1 freed")
     assert h.conn.leases.lease("key-1").body["state"] == "expired"
 
 

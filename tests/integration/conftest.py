@@ -10,45 +10,18 @@ lease tests need KV to lapse quickly, and the router decides each turn's lease l
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
-import threading
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
-from typing import Any
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
-# Offset from the defaults so a `kvtether stack up` a developer left running does not collide.
-_PORT_BASE = int(os.environ.get("KVTETHER_TEST_PORT_BASE", "18000"))
+from tests.support.stacks import PORT_BASE, Reference, StackHandle, serve_router
+
 SHORT_LEASE_TTL_S = 10.0
-
-
-@dataclass(frozen=True)
-class StackHandle:
-    base_url: str  # a kvtether router
-    model: str
-    lease_ttl_s: float
-    block_size_tokens: int
-    prefill_urls: list[str]
-    decode_urls: list[str]
-    decode_control_urls: list[str]
-    state_dir: Path
-    control_secret: str | None = None  # the stack's; every control-channel call needs it
-
-    @property
-    def control_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.control_secret}"} if self.control_secret else {}
-
-
-@dataclass(frozen=True)
-class Reference:
-    base_url: str
 
 
 def _settings(tmp: Path, **overrides):
@@ -56,10 +29,10 @@ def _settings(tmp: Path, **overrides):
 
     return StackSettings(
         profile="cpu-tiny",
-        port=_PORT_BASE,
-        base_port=_PORT_BASE + 100,
-        side_channel_base_port=_PORT_BASE - 2000,
-        control_base_port=_PORT_BASE + 200,
+        port=PORT_BASE,
+        base_port=PORT_BASE + 100,
+        side_channel_base_port=PORT_BASE - 2000,
+        control_base_port=PORT_BASE + 200,
         state_dir=tmp,
         health_timeout_s=900,  # generous: a loaded 2-core machine boots vLLM slowly
         **overrides,
@@ -103,79 +76,6 @@ def pd_stack(
         yield handle
 
 
-@contextlib.contextmanager
-def supervised(stack: Any) -> Iterator[list[str]]:
-    """Supervise ``stack`` as a foreground ``kvtether stack up`` does (a process that dies is
-    restarted with back-off); yields what the supervisor says, as it says it."""
-    said: list[str] = []
-    stop = threading.Event()
-    thread = threading.Thread(target=stack.supervise, daemon=True,
-                              kwargs={"stop": stop, "say": said.append})
-    thread.start()
-    try:
-        yield said
-    finally:
-        stop.set()
-        thread.join(120)
-
-
-# What an instance log says when something went wrong (vLLM's errors, an engine step that did
-# not end, a process the supervisor restarted).
-_TROUBLE = ("ERROR", "Traceback", "engine step", "No available shared memory",
-            "RPC call to", "EngineDeadError", "NIXL transfer failure")
-
-
-def trouble_in_logs(stack: Any, max_lines: int = 60) -> str:
-    """The lines of each of ``stack``'s logs that say something went wrong (for a failing
-    test's output: the logs themselves stay in a temporary directory nobody reads in CI)."""
-    out = []
-    for record in stack.state.processes:
-        try:
-            lines = record.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            continue
-        bad = [line[:400] for line in lines if any(t in line for t in _TROUBLE)]
-        if bad:
-            out.append(f"--- {record.name} ({len(bad)} lines, last {max_lines})")
-            out.extend(bad[-max_lines:])
-    return "\n".join(out)
-
-
-@contextlib.contextmanager
-def serve_app(make_app: Callable[[int], Any]) -> Iterator[str]:
-    """Run the ASGI app ``make_app(port)`` on a free loopback port in a thread; yield its URL."""
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(make_app(port), port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            assert thread.is_alive(), "router did not start"
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
-def serve_router(stack: StackHandle, **settings: Any) -> contextlib.AbstractContextManager[str]:
-    """Run another kvtether router in this process over ``stack``'s vLLM instances."""
-    from kvtether.router import RouterSettings, create_app
-
-    def make_app(port: int) -> Any:
-        return create_app(RouterSettings(
-            port=port, prefill_urls=stack.prefill_urls, decode_urls=stack.decode_urls,
-            decode_control_urls=stack.decode_control_urls, control_secret=stack.control_secret,
-            kv_block_size_tokens=stack.block_size_tokens, **settings,
-        ))
-
-    return serve_app(make_app)
-
-
 @pytest.fixture(scope="session")
 def short_lease(pd_stack: StackHandle) -> Iterator[StackHandle]:
     with serve_router(pd_stack, lease_ttl_s=SHORT_LEASE_TTL_S) as url:
@@ -188,7 +88,7 @@ def reference_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Referen
 
     tmp = tmp_path_factory.mktemp("reference")
     settings = _settings(tmp)
-    with start_reference_vllm(settings, port=_PORT_BASE + 99) as url:
+    with start_reference_vllm(settings, port=PORT_BASE + 99) as url:
         server = next(p for p in psutil.Process(os.getpid()).children()
                       if "--no-enable-prefix-caching" in p.cmdline())
         procs = [server, *server.children(recursive=True)]

@@ -163,12 +163,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _with_stack(prefill: int, decode: int, drive) -> int:  # noqa: ANN001
-    import os
     import tempfile
 
     from kvtether.stack import Stack, StackSettings, start_reference_vllm
+    from tests.support.stacks import PORT_BASE
 
-    base = int(os.environ.get("KVTETHER_TEST_PORT_BASE", "18000")) + 500
+    base = PORT_BASE + 500
     with tempfile.TemporaryDirectory(prefix="kvtether-driver-") as tmp:
         settings = StackSettings(
             profile="cpu-tiny", prefill=prefill, decode=decode, port=base, base_port=base + 10,

@@ -25,6 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.waiting import wait_for
+
 pytestmark = pytest.mark.vllm
 
 _BASE = int(os.environ.get("KVTETHER_CONNECTOR_TEST_PORT", "8300"))
@@ -105,9 +107,9 @@ def _stop(inst: Instance) -> None:
 
 
 def _wait_healthy(instances: list[Instance], timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
     pending = list(instances)
-    while pending:
+
+    def all_healthy() -> bool:
         for inst in list(pending):
             if inst.proc.poll() is not None:
                 tail = inst.log.read_text(errors="replace")[-3000:]
@@ -117,9 +119,10 @@ def _wait_healthy(instances: list[Instance], timeout_s: float = 600) -> None:
                     pending.remove(inst)
             except httpx.HTTPError:
                 pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"not healthy after {timeout_s}s: {[i.name for i in pending]}")
-        time.sleep(2)
+        return not pending
+
+    wait_for(all_healthy, timeout_s, interval_s=2,
+             message=lambda: f"health of {[i.name for i in pending]}")
 
 
 @pytest.fixture(scope="module")
@@ -214,13 +217,14 @@ def release(d: Instance, key: str) -> None:
 
 
 def wait_for_state(d: Instance, key: str, state: str, timeout_s: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        lease = CONTROL.get(f"{d.control}/leases/{key}", timeout=10).json()
-        if lease.get("state") == state or time.monotonic() > deadline:
-            assert lease.get("state") == state, lease
-            return lease
-        time.sleep(0.2)
+    seen: list[dict[str, Any]] = []
+
+    def reached() -> dict[str, Any] | None:
+        seen.append(CONTROL.get(f"{d.control}/leases/{key}", timeout=10).json())
+        return seen[-1] if seen[-1].get("state") == state else None
+
+    return wait_for(reached, timeout_s, interval_s=0.2,
+                    message=lambda: f"lease {key} {state}; last seen {seen[-1]}")
 
 
 # --- tests ----------------------------------------------------------------------------------

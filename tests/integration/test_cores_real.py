@@ -14,7 +14,7 @@ import os
 import psutil
 import pytest
 
-from tests.integration.conftest import StackHandle
+from tests.support.stacks import StackHandle
 
 pytestmark = pytest.mark.vllm
 

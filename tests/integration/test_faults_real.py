@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import threading
 import time
 import uuid
@@ -29,7 +28,9 @@ import httpx
 import pytest
 
 from kvtether import protocol as p
-from tests.integration.conftest import _PORT_BASE, Reference, serve_app, supervised
+from tests.support.servers import serve_app, unused_port
+from tests.support.stacks import PORT_BASE, Reference, supervised
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -85,10 +86,10 @@ def faults(tmp_path_factory: pytest.TempPathFactory, reference_vllm: Reference
     from kvtether.stack.launcher import Stack
     from kvtether.stack.settings import StackSettings
 
-    base = _PORT_BASE + 400
+    base = PORT_BASE + 400
     settings = StackSettings(
         profile="cpu-tiny", port=base, base_port=base + 10, control_base_port=base + 20,
-        side_channel_base_port=_PORT_BASE - 1000, state_dir=tmp_path_factory.mktemp("faults"),
+        side_channel_base_port=PORT_BASE - 1000, state_dir=tmp_path_factory.mktemp("faults"),
         health_timeout_s=900, lease_ttl_s=LEASE_TTL_S, restart_backoff_s=1.0,
         # Prefill recomputes whatever it does not read from decode: with its own prefix cache
         # a lost read would be served from there (and counted `fired`), so each fault's
@@ -221,16 +222,17 @@ def assert_freed_not_lapsed(fs: FaultStack, since_unix_s: float) -> float:
 def wait_back(fs: FaultStack, name: str, timeout_s: float = RESTART_WITHIN_S) -> None:
     """Until the supervisor has restarted ``name`` and the router counts it healthy again."""
     deadline = time.monotonic() + timeout_s
-    while not any(line.startswith(f"{name} is back") for line in fs.say):
-        assert time.monotonic() < deadline, fs.say
-        time.sleep(1)
-    while True:
+    wait_for(lambda: any(line.startswith(f"{name} is back") for line in fs.say), timeout_s,
+             interval_s=1, message=lambda: fs.say)
+
+    def taken_back() -> bool:
         with contextlib.suppress(httpx.HTTPError, ValueError):
             health = httpx.get(f"{fs.router_url}/health", timeout=10).json()
-            if health.get("backends", {}).get(name):
-                return
-        assert time.monotonic() < deadline, "router never took it back"
-        time.sleep(1)
+            return bool(health.get("backends", {}).get(name))
+        return False
+
+    wait_for(taken_back, max(0.0, deadline - time.monotonic()), interval_s=1,
+             message="the router to take it back")
 
 
 def kill9(fs: FaultStack, name: str) -> None:
@@ -418,9 +420,7 @@ def _unreachable_side_channel(kvp: dict[str, Any]) -> None:
     """Decode's handle names an engine prefill has not met, behind a side-channel port nobody
     answers: prefill's NIXL handshake times out (vLLM's 5 s zmq limit), as it does when a
     starved decode engine answers late."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        kvp["remote_port"] = s.getsockname()[1]
+    kvp["remote_port"] = unused_port()
     kvp["remote_engine_id"] = f"unmet-{uuid.uuid4().hex[:8]}"
 
 

@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.waiting import wait_for
+
 pytestmark = pytest.mark.vllm
 
 SLOW_TOOL_MARGIN_S = 3.0  # the slow tool runs this much longer than the lease
@@ -70,10 +72,8 @@ def _assert_released(stack: Any, cid: str, lease_key: str) -> None:
         assert st["lease_state"] == "released" and st["retained_tokens"] == 0, st
     else:
         assert r.status_code in (404, 410), r.text
-    deadline = time.monotonic() + 2.0
-    while (state := _lease_state(stack, lease_key)) != "released":
-        assert time.monotonic() < deadline, state
-        time.sleep(0.05)
+    wait_for(lambda: _lease_state(stack, lease_key) == "released", timeout_s=2.0,
+             interval_s=0.05, message=lambda: f"released, not {_lease_state(stack, lease_key)}")
 
 
 def _assert_conversation(stack: Any, session: Any, n_turns: int) -> str:

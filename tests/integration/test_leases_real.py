@@ -15,7 +15,8 @@ import uuid
 import httpx
 import pytest
 
-from tests.integration.conftest import serve_router
+from tests.support.stacks import serve_router
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -122,9 +123,9 @@ def test_release_frees_decode_blocks_within_a_second(short_lease, reference_vllm
     t0 = time.monotonic()
     deleted = httpx.delete(f"{short_lease.base_url}/v1/sessions/{c.cid}", timeout=10)
     assert deleted.status_code == 200, deleted.text
-    while _lease(short_lease, key)["state"] != "released":
-        assert time.monotonic() - t0 < 1.0, _lease(short_lease, key)
-        time.sleep(0.05)
+    wait_for(lambda: _lease(short_lease, key)["state"] == "released",
+             timeout_s=max(0.0, 1.0 - (time.monotonic() - t0)), interval_s=0.05,
+             message=lambda: _lease(short_lease, key))
     assert c.heartbeat().status_code == 410
     assert c.turn() == "miss:released"
 

@@ -9,13 +9,13 @@ reference. Each test starts its own small stack (one at a time: 2-core machines)
 from __future__ import annotations
 
 import random
-import time
 import uuid
 
 import httpx
 import pytest
 
-from .conftest import _PORT_BASE
+from tests.support.stacks import PORT_BASE
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -60,9 +60,9 @@ def _stack(tmp_path_factory: pytest.TempPathFactory, offset: int, **overrides):
 
     settings = StackSettings(
         profile="cpu-tiny", state_dir=tmp_path_factory.mktemp("policy"), health_timeout_s=900,
-        port=_PORT_BASE + offset, base_port=_PORT_BASE + 100 + offset,
-        control_base_port=_PORT_BASE + 200 + offset,
-        side_channel_base_port=_PORT_BASE - 2000 + 10 * offset, **overrides,
+        port=PORT_BASE + offset, base_port=PORT_BASE + 100 + offset,
+        control_base_port=PORT_BASE + 200 + offset,
+        side_channel_base_port=PORT_BASE - 2000 + 10 * offset, **overrides,
     )
     return Stack(settings, die_with_parent=True)
 
@@ -98,8 +98,6 @@ def test_off_never_reuses_and_decode_holds_nothing(tmp_path_factory, reference_v
             "miss:first_turn", "miss:not_retained", "miss:not_retained"]
         assert all(int(h["x-kvtether-reused-tokens"]) == 0 for h in headers)
         assert all(int(h["x-kvtether-reusable-tokens"]) > 16 for h in headers[1:])
-        deadline = time.monotonic() + 10
-        while _kv_usage(stack.decode_urls[0]) > 0 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert _kv_usage(stack.decode_urls[0]) == 0
+        wait_for(lambda: _kv_usage(stack.decode_urls[0]) == 0, timeout_s=10, interval_s=0.5,
+                 message="decode's KV cache to empty")
 

@@ -5,7 +5,6 @@ alternate between them reuses KV on every turn); `stack down` leaves no process.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -21,8 +20,7 @@ import pytest
 from kvtether import protocol as p
 from kvtether.stack._state import load_state
 from kvtether.stack.settings import StackSettings
-
-from .conftest import Reference
+from tests.support.stacks import PORT_BASE, Reference
 
 pytestmark = [
     pytest.mark.vllm,
@@ -30,7 +28,7 @@ pytestmark = [
                        reason="needs redis-server or valkey-server (apt install redis-server)"),
 ]
 
-_BASE = int(os.environ.get("KVTETHER_TEST_PORT_BASE", "18000")) + 400
+_BASE = PORT_BASE + 400
 
 
 @dataclass

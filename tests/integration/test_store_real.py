@@ -19,9 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.conftest import _PORT_BASE, StackHandle, serve_router
 from tests.integration.test_leases_real import NO_SPECIAL, Conv
-from tests.redis_server import RedisServer, redis_port
+from tests.support.redis_server import RedisServer, redis_port
+from tests.support.stacks import PORT_BASE, StackHandle, serve_router
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -45,17 +46,15 @@ def router_process(stack: StackHandle, port: int, store: str, log: Path) -> Iter
     env = {**os.environ, "KVTETHER_ROUTER_CONTROL_SECRET": stack.control_secret or ""}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    def healthy() -> bool:
+        assert proc.poll() is None, log.read_text()[-2000:]
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()[-2000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "router process did not come up"
-            time.sleep(0.2)
+        wait_for(healthy, timeout_s=120, interval_s=0.2, message="the router process to come up")
         yield proc
     finally:
         if proc.poll() is None:
@@ -70,7 +69,7 @@ def router_process(stack: StackHandle, port: int, store: str, log: Path) -> Iter
 @pytest.fixture
 def replicas(pd_stack: StackHandle, redis_url: str, tmp_path: Path):  # noqa: ANN201
     """(replica a's stack handle, replica b's stack handle, replica b's process)."""
-    port_b = _PORT_BASE + 90
+    port_b = PORT_BASE + 90
     with serve_router(pd_stack, lease_ttl_s=pd_stack.lease_ttl_s, store=redis_url) as url_a, \
             router_process(pd_stack, port_b, redis_url, tmp_path / "router-b.log") as proc:
         yield (replace(pd_stack, base_url=url_a),

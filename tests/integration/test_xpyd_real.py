@@ -8,7 +8,6 @@ both decode instances, and every turn after the first reuses KV. The spread and 
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,15 +15,16 @@ from typing import Any
 
 import pytest
 
-from .conftest import Reference, supervised, trouble_in_logs
+from tests.support.stacks import PORT_BASE, Reference, supervised, trouble_in_logs
+
 from .driver import TurnResult, reused, run_conversations, summary
 
 pytestmark = pytest.mark.vllm
 
 CONVERSATIONS = 8
 TURNS = 4
-# Clear of the shared stack's ports (conftest: base .. base+299, side channels base-2000..).
-_BASE = int(os.environ.get("KVTETHER_TEST_PORT_BASE", "18000")) + 300
+# Clear of the shared stack's ports (base .. base+299, side channels base-2000..).
+_BASE = PORT_BASE + 300
 
 
 @pytest.fixture(scope="module")

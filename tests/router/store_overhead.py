@@ -17,14 +17,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..redis_server import RedisServer, redis_port
-from .conftest import metric_value
+from tests.support.redis_server import RedisServer, redis_port
+from tests.support.router_harness import metric_value
+
 from .test_replicas import two_replicas
 
 
 async def _run(url: str | None, turns: int, heartbeats: int) -> dict[str, Any]:
     if url is None:
-        from .conftest import make_router
+        from tests.support.router_harness import make_router
 
         ctx: Any = make_router(control=True)
     else:

@@ -13,8 +13,7 @@ from kvtether import protocol as p
 from kvtether.errors import ConfigError
 from kvtether.router import RouterSettings, create_app
 from kvtether.router.access import KeyRing, read_key_file
-
-from .conftest import Harness, make_router
+from tests.support.router_harness import Harness, make_router
 
 KEYS = "# tenants of this router\nalice key-alice-1\nalice key-alice-2  # rotated\nbob key-bob\n"
 

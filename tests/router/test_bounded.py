@@ -6,8 +6,7 @@ import pytest
 
 from kvtether import protocol as p
 from kvtether.router.conversations import ConversationTableFullError, InMemoryConversationStore
-
-from .conftest import make_router
+from tests.support.router_harness import make_router
 
 
 def test_full_table_drops_the_oldest_idle_conversation_past_one_in_flight() -> None:

@@ -8,8 +8,7 @@ import json
 import pytest
 
 from kvtether import protocol as p
-
-from .conftest import make_router
+from tests.support.router_harness import make_router
 
 
 @pytest.mark.parametrize("stream", [False, True])

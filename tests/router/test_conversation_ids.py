@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtether import protocol as p
-
-from .conftest import Harness
+from tests.support.router_harness import Harness
 
 
 def _assert_kvtether_fields_stripped(h: Harness) -> None:

@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 
 from kvtether import protocol as p
-
-from .conftest import Harness, Turn, make_router
+from tests.support.router_harness import Harness, Turn, make_router
 
 CHAT = "/v1/chat/completions"
 GOOD = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}]}

@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from kvtether import protocol as p
-
-from .conftest import make_router
+from tests.support.router_harness import make_router
+from tests.support.waiting import await_for
 
 
 async def test_decode_dying_mid_stream_ends_it_with_an_error_event_the_sdk_raises() -> None:
@@ -45,8 +45,7 @@ async def test_release_while_the_turn_is_in_flight_frees_what_that_turn_retains(
         await a.say("one")
         release = h.d.hold_next()
         turn = asyncio.create_task(a.say("two"))
-        while not h.d.holding:
-            await asyncio.sleep(0.01)
+        await await_for(lambda: h.d.holding)
         deleted = await h.client.delete("/v1/sessions/rel")
         assert deleted.status_code == 200
         release.set()

@@ -3,14 +3,12 @@ step; decode's copy of it is dropped, and the client's stream is what decode alo
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from kvtether import protocol as p
 from kvtether.router.relay import greedy_single
-
-from .conftest import make_router
+from tests.support.router_harness import make_router
+from tests.support.waiting import await_for
 
 
 def _text(chunks: list[dict]) -> str:
@@ -67,11 +65,8 @@ async def test_a_first_token_decode_disagrees_with_ends_the_stream_with_an_error
         assert t.chunks[-1]["error"]["code"] == "upstream_error"
         assert "data: [DONE]" not in t.lines
         assert await h.metric("kvtether_first_token_mismatch_total") == 1
-        for _ in range(100):  # the failed turn's KV on decode is released in the background
-            if not h.d.held_leases():
-                break
-            await asyncio.sleep(0.01)
-        assert h.d.held_leases() == []
+        # The failed turn's KV on decode is released in the background.
+        await await_for(lambda: h.d.held_leases() == [], message="the failed turn's KV freed")
         # The next turn is served.
         assert (await a.say("three", stream=True, temperature=0)).status == 200
 

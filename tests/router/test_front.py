@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +17,7 @@ from starlette.routing import Route
 
 from kvtether import protocol as p
 from kvtether.router.front import FrontSettings, create_front_app
-from tests.integration.conftest import serve_app
+from tests.support.servers import HOST, bind_loopback, port_of, refused_url, serve_app
 
 # A fake replica holds its second SSE chunk until the test has read the first; if the front
 # buffered the answer the test would never get there, and the replica gives up after this.
@@ -65,14 +64,8 @@ class FakeReplica:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _serve(app: Any) -> contextlib.AbstractContextManager[str]:
-    return serve_app(lambda port: app)
+    return serve_app(lambda _port: app)
 
 
 @contextlib.contextmanager
@@ -90,9 +83,7 @@ _HALF_A_STREAM = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
 @contextlib.contextmanager
 def _silent_server(reply: bytes = b"") -> Iterator[str]:
     """Accepts a connection, reads the request, sends ``reply`` (default: nothing), closes."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen()
+    sock = bind_loopback()
     stop = threading.Event()
 
     def run() -> None:
@@ -109,7 +100,7 @@ def _silent_server(reply: bytes = b"") -> Iterator[str]:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield f"http://{HOST}:{port_of(sock)}"
     finally:
         stop.set()
         thread.join(5)
@@ -168,7 +159,7 @@ def test_a_stream_is_passed_on_as_it_comes(replicas) -> None:  # noqa: ANN001
 
 def test_a_refusing_replica_is_skipped(replicas) -> None:  # noqa: ANN001
     fakes, urls = replicas
-    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens: connection refused
+    dead = refused_url()  # nothing listens: connection refused
     with _front([dead, urls[0]]) as front:
         answers = [front.post("/v1/chat/completions", json={"i": i}) for i in range(4)]
         health = front.get("/health")
@@ -180,7 +171,7 @@ def test_a_refusing_replica_is_skipped(replicas) -> None:  # noqa: ANN001
 
 
 def test_no_replica_answers_503_openai_error() -> None:
-    dead = [f"http://127.0.0.1:{_free_port()}" for _ in range(2)]
+    dead = [refused_url() for _ in range(2)]
     with _front(dead) as front:
         r = front.post("/v1/chat/completions", json={})
         health = front.get("/health")

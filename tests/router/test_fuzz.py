@@ -22,8 +22,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvtether import protocol as p
-
-from .conftest import SYSTEM_PROMPT, Harness, make_router
+from tests.support.router_harness import SYSTEM_PROMPT, Harness, make_router
 
 KEY = "fuzz-key-alice"
 OTHER_KEY = "fuzz-key-bob"

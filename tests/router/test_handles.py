@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from kvtether import protocol as p
-
-from .conftest import Harness, make_router
-from .fake_vllm import BLOCK_SIZE
+from tests.support.fake_vllm import BLOCK_SIZE
+from tests.support.router_harness import Harness, make_router
+from tests.support.waiting import await_for
 
 
 async def test_each_handle_forwarded_at_most_once(hx: Harness) -> None:
@@ -122,11 +122,7 @@ async def test_no_release_of_a_handle_in_flight(how: str) -> None:
         h.app.state.runner.s.max_retained_tokens = h.d.held_leases()[0].num_tokens + 20
         gate = h.p.hold_next()  # a's next prefill waits in P's queue with a's handle
         a_turn = asyncio.create_task(a.say("two"))
-        for _ in range(1000):
-            if h.p.holding:
-                break
-            await asyncio.sleep(0.005)
-        assert h.p.holding
+        await await_for(lambda: h.p.holding, interval_s=0.005)
         if how == "budget":
             await b.say("one")  # b's retention pushes D over its budget
         else:
@@ -145,10 +141,6 @@ async def test_kv_a_failed_read_left_on_decode_is_released_at_once() -> None:
         key = h.d.decode_params[-1][p.KV_PARAM_HANDLE_KEY]
         h.p.pull_failure = True
         assert (await a.say("two")).outcome == "miss:transfer_failed"
-        for _ in range(100):
-            if key in h.d.releases:
-                break
-            await asyncio.sleep(0.01)
-        assert key in h.d.releases
+        await await_for(lambda: key in h.d.releases, message=f"{key} released")
         h.p.pull_failure = False
         assert (await a.say("three")).outcome == "fired"

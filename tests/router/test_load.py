@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from .load import run_load
+from tests.support.load import run_load
 
 pytestmark = pytest.mark.soak
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtether import protocol as p
-
-from .conftest import Harness, make_router, metric_value
+from tests.support.router_harness import Harness, make_router, metric_value
 
 
 async def test_health_ok(h: Harness) -> None:

@@ -8,9 +8,8 @@ than max(threshold, block) of the reusable tokens were recomputed.
 from __future__ import annotations
 
 from kvtether import protocol as p
-
-from .conftest import Harness, Turn, make_router
-from .fake_vllm import BLOCK_SIZE
+from tests.support.fake_vllm import BLOCK_SIZE
+from tests.support.router_harness import Harness, Turn, make_router
 
 THRESHOLD = 16
 

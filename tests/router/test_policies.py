@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvtether import protocol as p
-
-from .conftest import make_router
+from tests.support.router_harness import make_router
 
 
 def reusable(t) -> int:  # noqa: ANN001

@@ -7,9 +7,8 @@ import copy
 import pytest
 
 from kvtether import protocol as p
-
-from .conftest import Agent, Harness, make_router
-from .fake_vllm import BLOCK_SIZE, Retention, render_chat
+from tests.support.fake_vllm import BLOCK_SIZE, Retention, render_chat
+from tests.support.router_harness import Agent, Harness, make_router
 
 
 def last_retention(h: Harness) -> Retention:

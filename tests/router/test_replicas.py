@@ -16,10 +16,11 @@ import pytest
 
 from kvtether import protocol as p
 from kvtether.router import create_app
+from tests.support.redis_server import RedisServer, redis_port
+from tests.support.router_harness import Harness, make_router
+from tests.support.waiting import await_for
 
-from ..redis_server import RedisServer, redis_port
 from .clock import ManualClock
-from .conftest import Harness, make_router
 from .test_concurrency import _raw_call_then_disconnect
 
 
@@ -85,8 +86,7 @@ async def test_release_while_the_other_replica_runs_a_turn(redis_server: RedisSe
         await agent.say("one")
         gate = a.d.hold_next()
         turn = asyncio.create_task(agent.say("two"))
-        while not a.d.holding:
-            await asyncio.sleep(0.01)
+        await await_for(lambda: a.d.holding)
         gone = await b.client.delete("/v1/sessions/rel")
         assert gone.status_code == 200
         gate.set()
@@ -103,8 +103,7 @@ async def test_racing_turns_one_waits_or_is_refused(redis_server: RedisServer) -
         history = agent.messages + [{"role": "user", "content": "go"}]
         gate = a.d.hold_next()
         first = asyncio.create_task(a.chat(list(history), "race"))
-        while not a.d.holding:
-            await asyncio.sleep(0.01)
+        await await_for(lambda: a.d.holding)
         refused = await b.chat(list(history), "race")
         assert refused.status == 409
         assert refused.body["error"]["code"] == "conversation_busy"
@@ -116,8 +115,7 @@ async def test_racing_turns_one_waits_or_is_refused(redis_server: RedisServer) -
         history = agent.messages + [{"role": "user", "content": "go"}]
         gate = a.d.hold_next()
         first = asyncio.create_task(a.chat(list(history), "race2"))
-        while not a.d.holding:
-            await asyncio.sleep(0.01)
+        await await_for(lambda: a.d.holding)
         second = asyncio.create_task(b.chat(list(history), "race2", stream=True))
         await asyncio.sleep(0.1)
         assert not second.done()  # waiting for the lock
@@ -186,8 +184,7 @@ async def test_store_lost_mid_turn_the_answer_is_still_delivered(
             await agent.say("one")
             gate = a.d.hold_next()
             turn = asyncio.create_task(agent.say("two", stream=stream))
-            while not a.d.holding:
-                await asyncio.sleep(0.01)
+            await await_for(lambda: a.d.holding)
             server.stop()
             gate.set()
             assert (await turn).outcome == "fired"  # decided before the store went away

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from kvtether import protocol as p
+from tests.support.router_harness import Harness, make_router
 
 from .clock import ManualClock
-from .conftest import Harness, make_router
 
 
 async def two_turns(h: Harness, cid: str = "sess", stream: bool = False):

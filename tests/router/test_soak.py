@@ -17,8 +17,9 @@ import sys
 
 import pytest
 
+from tests.support.router_harness import Harness, make_router
+
 from .clock import ManualClock
-from .conftest import Harness, make_router
 from .soak import soak_table
 
 pytestmark = pytest.mark.soak

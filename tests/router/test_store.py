@@ -21,8 +21,8 @@ from kvtether.router.conversations import (
 )
 from kvtether.router.metrics import RouterMetrics
 from kvtether.router.store_redis import RedisConversationStore
-
-from ..redis_server import RedisServer, redis_port
+from tests.support.redis_server import RedisServer, redis_port
+from tests.support.waiting import await_for
 
 
 @pytest.fixture(scope="module")
@@ -237,8 +237,11 @@ async def test_an_expired_conversation_leaves_the_reaper_list(redis_server: Redi
         held = await store.lock("gone", "", wait_s=1)
         held.conv.retained = retained(deadline=100.0)
         await held.commit()
-        while await store.read("gone", "") is not None:  # Redis expires the idle conversation
-            await asyncio.sleep(0.05)
+
+        async def expired() -> bool:  # Redis expires the idle conversation
+            return await store.read("gone", "") is None
+
+        await await_for(expired, interval_s=0.05)
         assert await store.lapsed(200.0) == [("", "gone")]
         assert await store.try_lock("gone", "") is None
         assert await store.lapsed(200.0) == []

@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 
 from kvtether import protocol as p
-
-from .conftest import Harness, make_router
-from .fake_vllm import BLOCK_SIZE, FakeVLLM
+from tests.support.fake_vllm import BLOCK_SIZE, FakeVLLM
+from tests.support.router_harness import Harness, make_router
 
 TOOLS = [{
     "type": "function",
@@ -267,7 +266,7 @@ async def test_decode_fake_rejects_unknown_model_like_vllm() -> None:
     """Sanity check of the fake itself: vLLM's error shape."""
     import httpx
 
-    from .fake_vllm import Cluster
+    from tests.support.fake_vllm import Cluster
 
     fake = FakeVLLM(Cluster(), "x", "x", 1)
     async with httpx.AsyncClient(transport=fake.transport, base_url="http://x") as c:

@@ -1,16 +1,15 @@
+"""Session-layer fixtures: sessions and OpenAI clients on the fake router of tests.support."""
+
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from kvtether.session import AsyncSession, Session
+from tests.support.fake_router import FAST, FakeRouter, _server, dead_url, router  # noqa: F401
 
-from .fake_router import FakeRouter
-from .fixtures import FAST, _server, dead_url, heartbeat_threads, router  # noqa: F401 (fixtures)
 
 @pytest.fixture
 def session(router: FakeRouter) -> Iterator[Session]:
@@ -42,24 +41,3 @@ async def aclient(router: FakeRouter, asession: AsyncSession) -> AsyncIterator[A
     base = AsyncOpenAI(base_url=router.url + "/v1", api_key="test", max_retries=0)
     yield asession.wrap(base)
     await base.close()
-
-
-
-
-
-def wait_for(condition: Callable[[], object], timeout_s: float = 10.0) -> None:
-    """Block until ``condition()`` is true. Tests wait for events, not for fixed times, so a
-    busy machine makes them slower, never flaky."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {condition}")
-        time.sleep(0.01)
-
-
-async def await_for(condition: Callable[[], object], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {condition}")
-        await asyncio.sleep(0.01)

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from kvtether.session import AsyncSession, AsyncSessionPool, Session, SessionPool
-
-from .conftest import FAST
-from .fake_router import FakeRouter
+from tests.support.fake_router import FAST, FakeRouter
+from tests.support.waiting import await_for, wait_for
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -34,7 +31,7 @@ def test_heartbeat_status_and_release_send_the_sessions_key(
         client = session.wrap(base_client)
         client.chat.completions.create(model="fake", messages=MESSAGES)  # type: ignore[arg-type]
         with session.tool_call("grep", eta_s=1):
-            time.sleep(0.2)
+            wait_for(lambda: router.requests_to("/heartbeat"))
         session.status()
     calls = session_api_auth(router)
     assert {method for method, _ in calls} == {"POST heartbeat", "GET ", "DELETE "}
@@ -71,9 +68,7 @@ async def test_async_session_sends_its_key(router: FakeRouter) -> None:
         client = session.wrap(base)
         await client.chat.completions.create(model="fake", messages=MESSAGES)  # type: ignore[arg-type]
         async with session.tool_call("grep", eta_s=1):
-            import asyncio
-
-            await asyncio.sleep(0.2)
+            await await_for(lambda: router.requests_to("/heartbeat"))
         await session.status()
     await base.close()
     calls = session_api_auth(router)

@@ -11,9 +11,7 @@ from openai import OpenAI
 
 from kvtether.errors import RouterUnavailableError, SessionNotFound
 from kvtether.session import AsyncSession, EventKind, Session
-
-from .conftest import FAST
-from .fake_router import FakeRouter
+from tests.support.fake_router import FAST, FakeRouter
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 

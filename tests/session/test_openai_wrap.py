@@ -11,9 +11,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from kvtether.protocol import HEADER_CONVERSATION_ID, HEADER_HINTS, Phase, parse_hints_header
 from kvtether.session import AsyncSession, Session
-
-from .conftest import FAST
-from .fake_router import FakeRouter
+from tests.support.fake_router import FAST, FakeRouter
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
 

@@ -17,9 +17,7 @@ from kvtether import AsyncSessionPool, SessionPool
 from kvtether.errors import ConfigError, KVTetherError, MissingConversationKeyWarning
 from kvtether.protocol import HEADER_CONVERSATION_ID
 from kvtether.session import AsyncSession, Session
-
-from .conftest import FAST, heartbeat_threads
-from .fake_router import FakeRouter
+from tests.support.fake_router import FAST, FakeRouter, heartbeat_threads
 
 USER = {"role": "user", "content": "hi"}
 CID = HEADER_CONVERSATION_ID.lower()

@@ -8,8 +8,7 @@ from openai import OpenAI
 from kvtether.bench.workload import generate_sessions, score_predictions, workload_stats
 from kvtether.protocol import Phase, parse_hints_header
 from kvtether.session import GrowthPredictor, Session, tool_key
-
-from .fake_router import FakeRouter
+from tests.support.fake_router import FakeRouter
 
 
 def test_workload_is_deterministic_and_scalable() -> None:

@@ -12,8 +12,7 @@ from openai import OpenAI
 from kvtether.errors import PrefixBreakWarning
 from kvtether.session import PrefixStatus, Session, SessionSettings
 from kvtether.session._prefix import PrefixTracker
-
-from .fake_router import FakeRouter
+from tests.support.fake_router import FakeRouter
 
 SYSTEM: Any = {"role": "system", "content": "You are a coding agent."}
 USER: Any = {"role": "user", "content": "fix the bug"}

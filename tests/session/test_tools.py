@@ -13,9 +13,8 @@ from openai import AsyncOpenAI, OpenAI
 
 from kvtether.protocol import HeartbeatRequest, Phase
 from kvtether.session import AsyncSession, EventKind, Session, SessionSettings
-
-from .conftest import await_for, heartbeat_threads, wait_for
-from .fake_router import FakeRouter
+from tests.support.fake_router import FakeRouter, heartbeat_threads
+from tests.support.waiting import await_for, wait_for
 
 MESSAGES: Any = [{"role": "user", "content": "fix the failing test"}]
 

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import pytest
 from kvtether.stack._state import load_state, state_path
 from kvtether.stack.launcher import stack_down
 from kvtether.stack.settings import StackSettings
+from tests.support.waiting import wait_for
 
 from .stack_fakes import all_dead, pids_from
 
@@ -46,14 +46,15 @@ class Foreground:
             )
 
     def wait_running(self, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def running() -> bool:
             state = load_state(self.settings.state_dir)
             if state is not None and state.phase == "running":
-                return
+                return True
             assert self.proc.poll() is None, self.output()
-            time.sleep(0.1)
-        raise AssertionError("stack never came up:\n" + self.output())
+            return False
+
+        wait_for(running, timeout_s, interval_s=0.1,
+                 message=lambda: "the stack to come up:\n" + self.output())
 
     def exit_code(self, timeout_s: float = 60) -> int:
         try:
@@ -68,15 +69,6 @@ class Foreground:
 
     def pids(self) -> list[int]:
         return pids_from(self.pid_file)
-
-
-def _eventually_dead(pids: list[int], timeout_s: float = 10) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not all_dead(pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
@@ -109,16 +101,16 @@ def test_killed_up_process_takes_its_instances_along(
     up.wait_running()
     os.kill(up.proc.pid, signal.SIGKILL)
     up.exit_code()
-    assert _eventually_dead(up.pids())
+    pids = up.pids()
+    wait_for(lambda: all_dead(pids), timeout_s=10, interval_s=0.1, message=f"{pids} to exit")
     stack_down(fake_settings.state_dir)  # cleans the leftover state file
     assert not state_path(fake_settings.state_dir).exists()
 
 
 def test_ctrl_c_while_starting(fake_settings: StackSettings, tmp_path: Path) -> None:
     up = Foreground(fake_settings, tmp_path, all={"FAKE_BOOT_S": "30"})
-    deadline = time.monotonic() + 20
-    while len(up.pids()) < 4 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_for(lambda: len(up.pids()) >= 4, timeout_s=20, interval_s=0.1,
+             message="prefill and decode with their children to start")
     up.proc.send_signal(signal.SIGINT)
     assert up.exit_code() == 130, up.output()
     assert all_dead(up.pids())
@@ -142,13 +134,6 @@ def _record(settings: StackSettings, name: str):  # noqa: ANN202
     return next(p for p in state.processes if p.name == name)
 
 
-def _wait_for(predicate, timeout_s: float = 30) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
 def test_instance_crash_stops_the_stack_without_restart(
     fake_settings: StackSettings, tmp_path: Path
 ) -> None:
@@ -170,7 +155,8 @@ def test_a_killed_instance_is_restarted_and_serves_again(
     up.wait_running()
     old = _record(settings, "decode-0")
     os.kill(old.pid, signal.SIGKILL)
-    _wait_for(lambda: "decode-0 is back" in up.output())
+    wait_for(lambda: "decode-0 is back" in up.output(), timeout_s=30, interval_s=0.1,
+             message=up.output)
     new = _record(settings, "decode-0")
     assert new.pid != old.pid and new.port == old.port
     assert httpx.get(f"{new.url}/health", timeout=5).status_code == 200

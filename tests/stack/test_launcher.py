@@ -18,6 +18,7 @@ from kvtether.errors import (
 from kvtether.stack._state import load_state, state_path
 from kvtether.stack.launcher import Stack, stack_down, stack_status
 from kvtether.stack.settings import StackSettings
+from tests.support.waiting import wait_for
 
 from .stack_fakes import FakeCommands, all_dead, pids_from
 
@@ -153,11 +154,8 @@ def test_stop_group_kills_children_left_behind_by_a_dead_leader(tmp_path: Path) 
     c = cmd.command(plan, StackSettings())
     popen = _procs.spawn(c.argv, c.env, plan.log_path)
     started = _procs.create_time(popen.pid)
-    import time
-
-    deadline = time.monotonic() + 10
-    while len(pids_from(pid_file)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: len(pids_from(pid_file)) >= 2, timeout_s=10, interval_s=0.05,
+             message="the server and its child to write their pids")
     leader, child = pids_from(pid_file)
     psutil.Process(leader).kill()  # the API server crashes; its EngineCore lingers
     popen.wait(5)

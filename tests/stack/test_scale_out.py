@@ -22,6 +22,8 @@ from kvtether.stack._plan import plan_processes
 from kvtether.stack._state import load_state
 from kvtether.stack.launcher import Stack
 from kvtether.stack.settings import StackSettings
+from tests.support.stacks import supervised
+from tests.support.waiting import wait_for
 
 from .stack_fakes import FakeCommands, all_dead, free_port_block, pids_from
 
@@ -188,31 +190,18 @@ def test_routers_front_and_store_start_answer_and_stop(
 def test_a_killed_front_replica_or_store_is_restarted(fake_settings: StackSettings) -> None:
     import os
     import signal
-    import threading
-    import time
 
     settings = StackSettings.model_validate({
         **fake_settings.model_dump(exclude_unset=True),
         "routers": 2, "store": "local", "port": free_port_block(4), "restart_backoff_s": 0.1})
-    said: list[str] = []
-    stop = threading.Event()
-    with Stack(settings, commands=FakeCommands()) as stack:
-        thread = threading.Thread(target=stack.supervise, kwargs={"stop": stop,
-                                                                  "say": said.append})
-        thread.start()
-        try:
-            before = {r.name: r.pid for r in load_state(settings.state_dir).processes}
-            for name in ("front", "router-1", "store"):
-                os.kill(before[name], signal.SIGKILL)
-                deadline = time.monotonic() + 30
-                while f"{name} is back" not in " ".join(said):
-                    assert time.monotonic() < deadline, said
-                    time.sleep(0.05)
-            after = {r.name: r.pid for r in load_state(settings.state_dir).processes}
-            assert all(after[n] != before[n] for n in ("front", "router-1", "store"))
-            assert all(r.alive and r.healthy for r in stack.status())
-            health = httpx.get(f"{stack.router_url}/health", timeout=10, trust_env=False)
-            assert health.json()["replicas"] == {"router-0": True, "router-1": True}
-        finally:
-            stop.set()
-            thread.join(30)
+    with Stack(settings, commands=FakeCommands()) as stack, supervised(stack) as said:
+        before = {r.name: r.pid for r in load_state(settings.state_dir).processes}
+        for name in ("front", "router-1", "store"):
+            os.kill(before[name], signal.SIGKILL)
+            wait_for(lambda back=f"{name} is back": back in " ".join(said), timeout_s=30,
+                     interval_s=0.05, message=lambda: said)
+        after = {r.name: r.pid for r in load_state(settings.state_dir).processes}
+        assert all(after[n] != before[n] for n in ("front", "router-1", "store"))
+        assert all(r.alive and r.healthy for r in stack.status())
+        health = httpx.get(f"{stack.router_url}/health", timeout=10, trust_env=False)
+        assert health.json()["replicas"] == {"router-0": True, "router-1": True}

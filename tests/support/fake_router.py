@@ -3,6 +3,9 @@
 It answers chat and completion requests (streamed or not) with scripted replies and the
 X-KVTether-* headers, and serves the session API. Tests script it through ``FakeRouter``
 attributes and read back what it received.
+
+The fixtures at the end serve it once per test session; the core's session tests and the
+framework integrations' tests import them into their own conftest.
 """
 
 from __future__ import annotations
@@ -12,10 +15,11 @@ import json
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn
+import pytest
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -34,6 +38,11 @@ from kvtether.protocol import (
     SessionStatus,
     error_body,
 )
+from kvtether.session import SessionSettings
+
+from .servers import refused_url, serve_app
+
+FAST = SessionSettings(heartbeat_interval_s=0.05, request_timeout_s=1.0)
 
 
 @dataclass
@@ -304,32 +313,29 @@ def _pieces(text: str, size: int = 3) -> list[str]:
     return [text[i : i + size] for i in range(0, len(text), size)]
 
 
-class ServerThread:
-    """Serves an ASGI app on a free localhost port from a daemon thread."""
+# --- fixtures ---------------------------------------------------------------------------------
+def heartbeat_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("kvtether-heartbeat")]
 
-    def __init__(self, app: Starlette) -> None:
-        config = uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=0,
-            log_level="warning",
-            lifespan="off",
-            ws="none",
-            http="h11",
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="fake-router", daemon=True)
 
-    def start(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("fake router did not start")
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
+@pytest.fixture(scope="session")
+def _server() -> Iterator[FakeRouter]:
+    fake = FakeRouter()
+    with serve_app(lambda _port: build_app(fake), name="fake-router", lifespan="off",
+                   ws="none", http="h11") as url:
+        fake.url = url
+        yield fake
 
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(5)
+
+@pytest.fixture
+def router(_server: FakeRouter) -> Iterator[FakeRouter]:
+    _server.reset()
+    yield _server
+    # Every test must leave no heartbeat running: a leaked thread would renew a lease forever.
+    assert heartbeat_threads() == []
+
+
+@pytest.fixture
+def dead_url() -> str:
+    """A localhost URL nothing listens on: connections are refused at once."""
+    return refused_url()

@@ -1,9 +1,10 @@
 """Fake vLLM P/D instances served over real HTTP, in a process of their own.
 
-``python -m tests.router.fake_servers PORT0 PORT1 PORT2 PORT3`` serves two prefill instances and
-two decode instances (with the kvtether control routes on the same ports) sharing one
-:class:`~tests.router.fake_vllm.Cluster`, and prints ``ready`` once all four listen. The load
-benchmark uses it so that the fakes' CPU time is not spent on the router's event loop.
+``python -m tests.support.fake_servers [N]`` serves N/2 prefill and N/2 decode instances (N is
+4 unless given; the decode ones with the kvtether control routes on the same ports) sharing one
+:class:`~tests.support.fake_vllm.Cluster`, each on a loopback port it binds itself, and prints
+``ready PORT...`` (prefill ports first) once all of them listen. The load driver uses it so
+that the fakes' CPU time is not spent on the router's event loop.
 """
 
 from __future__ import annotations
@@ -14,25 +15,29 @@ import sys
 import uvicorn
 
 from .fake_vllm import Cluster, FakeVLLM
+from .servers import HOST, bind_loopback, port_of
+from .waiting import await_for
 
 
-async def main(ports: list[int]) -> None:
+async def main(n: int) -> None:
     cluster = Cluster()
+    socks = [bind_loopback() for _ in range(n)]
     servers = []
-    for i, port in enumerate(ports):
-        role = "prefill" if i < len(ports) // 2 else "decode"
-        inst = FakeVLLM(cluster, f"{role}{i}", "127.0.0.1", port, control=role == "decode",
+    for i, sock in enumerate(socks):
+        role = "prefill" if i < n // 2 else "decode"
+        port = port_of(sock)
+        inst = FakeVLLM(cluster, f"{role}{i}", HOST, port, control=role == "decode",
                         side_channel_port=5600 + i)
-        cluster.add(inst, f"127.0.0.1:{port}")
-        config = uvicorn.Config(inst.app, host="127.0.0.1", port=port, log_level="warning",
-                                timeout_keep_alive=30)
+        cluster.add(inst, f"{HOST}:{port}")
+        config = uvicorn.Config(inst.app, log_level="warning", timeout_keep_alive=30)
         servers.append(uvicorn.Server(config))
-    tasks = [asyncio.create_task(s.serve()) for s in servers]
-    while not all(s.started for s in servers):
-        await asyncio.sleep(0.05)
-    print("ready", flush=True)
+    tasks = [asyncio.create_task(s.serve(sockets=[sock])) for s, sock in zip(servers, socks)]
+    await await_for(lambda: all(s.started for s in servers) or any(t.done() for t in tasks),
+                    timeout_s=60, interval_s=0.05, message="the fake servers to start")
+    if all(s.started for s in servers):
+        print("ready", *map(port_of, socks), flush=True)
     await asyncio.gather(*tasks)
 
 
 if __name__ == "__main__":
-    asyncio.run(main([int(x) for x in sys.argv[1:]]))
+    asyncio.run(main(int(sys.argv[1]) if len(sys.argv) > 1 else 4))

@@ -24,10 +24,10 @@ from typing import Any
 import httpx
 
 from kvtether.router import RouterSettings, create_app
-from kvtether.stack._procs import free_port
 
-from .conftest import SYSTEM_PROMPT, Harness, make_router
 from .fake_vllm import BLOCK_SIZE, Cluster
+from .router_harness import SYSTEM_PROMPT, Harness, make_router
+from .servers import HOST
 
 
 # The upstream time of the request the router is handling (set per request by timed_app).
@@ -140,13 +140,13 @@ class LoadResult:
 @contextlib.asynccontextmanager
 async def _fakes_in_a_process() -> AsyncIterator[Harness]:
     """The router in this process, the four fakes in another, over real HTTP."""
-    ports = [free_port() for _ in range(4)]
-    proc = subprocess.Popen([sys.executable, "-m", "tests.router.fake_servers",
-                             *map(str, ports)], stdout=subprocess.PIPE,
-                            cwd=Path(__file__).resolve().parents[2])
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.fake_servers", "4"],
+                            stdout=subprocess.PIPE, cwd=Path(__file__).resolve().parents[2])
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
-        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        assert proc.stdout is not None
+        said = proc.stdout.readline().decode().split()  # "ready PORT PORT PORT PORT"
+        assert said[:1] == ["ready"] and len(said) == 5, f"the fake servers said {said}"
+        urls = [f"http://{HOST}:{port}" for port in said[1:]]
         rs = RouterSettings(prefill_urls=urls[:2], decode_urls=urls[2:],
                             decode_control_urls=urls[2:], kv_block_size_tokens=BLOCK_SIZE)
         app = create_app(rs)

@@ -12,11 +12,12 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from .waiting import wait_for
 
 __all__ = ["RedisServer", "redis_port", "require_redis_server"]
 
@@ -64,15 +65,17 @@ class RedisServer:
             stdout=log, stderr=subprocess.STDOUT,
         )
         log.close()
-        deadline = time.monotonic() + 30
-        while not self.ping():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited ({self.proc.returncode}); "
-                                   f"see {self.workdir / 'redis.log'}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("redis-server did not answer within 30 s")
-            time.sleep(0.05)
+        proc = self.proc
+        try:
+            wait_for(lambda: self.ping() or proc.poll() is not None, timeout_s=30,
+                     interval_s=0.05, message="redis-server to answer PING")
+        except AssertionError:
+            self.stop()
+            raise
+        if proc.poll() is not None:
+            self.proc = None
+            raise RuntimeError(f"redis-server exited ({proc.returncode}); "
+                               f"see {self.workdir / 'redis.log'}")
 
     def ping(self) -> bool:
         try:

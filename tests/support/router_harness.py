@@ -1,4 +1,8 @@
-"""Router test harness: the kvtether router in-process, in front of fake vLLM P/D instances."""
+"""Router test harness: the kvtether router in-process, in front of fake vLLM P/D instances.
+
+:func:`make_router` builds one (the router tests' fixtures, the load driver and the router
+benchmark use it); :class:`Harness` and :class:`Agent` talk to it as clients do.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import pytest
 
 from kvtether import protocol as p
 from kvtether.router import RouterSettings, create_app
@@ -237,23 +240,3 @@ async def make_router(
     async with app.router.lifespan_context(app), client:
         yield Harness(cluster, prefill, decode, rs, app, client, transport)
 
-
-@pytest.fixture
-async def h() -> AsyncIterator[Harness]:
-    """One prefill, one decode, upstream NIXL connector only (no control channel)."""
-    async with make_router() as harness:
-        yield harness
-
-
-@pytest.fixture
-async def hc() -> AsyncIterator[Harness]:
-    """One prefill, one decode running the kvtether connector (control channel)."""
-    async with make_router(control=True) as harness:
-        yield harness
-
-
-@pytest.fixture(params=[False, True], ids=["upstream", "control"])
-async def hx(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
-    """Both configurations."""
-    async with make_router(control=request.param) as harness:
-        yield harness

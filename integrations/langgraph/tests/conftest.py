@@ -1,4 +1,4 @@
-"""Fixtures: the core's fake kvtether router (``tests/session/fake_router.py``), served once.
+"""Fixtures: the core's fake kvtether router (``tests/support/fake_router.py``), served once.
 
 Run from the repository root, so the core's ``tests`` package is importable.
 """
@@ -11,8 +11,7 @@ import pytest
 from kvtether.session import SessionPool
 from lg_support import FAST
 
-from tests.session.fake_router import FakeRouter
-from tests.session.fixtures import _server, dead_url, router  # noqa: F401 (fixtures)
+from tests.support.fake_router import FakeRouter, _server, dead_url, router  # noqa: F401
 
 
 @pytest.fixture

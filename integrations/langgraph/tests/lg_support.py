@@ -8,8 +8,7 @@ from typing import Any
 
 from langchain_openai import ChatOpenAI
 
-from tests.session.fake_router import FakeRouter
-from tests.session.fixtures import FAST, heartbeat_threads  # noqa: F401 (re-exported)
+from tests.support.fake_router import FAST, FakeRouter, heartbeat_threads  # noqa: F401
 
 
 

@@ -19,7 +19,7 @@ from langgraph.warnings import LangGraphDeprecatedSinceV10
 from lg_support import FAST, chat_model, heartbeat_threads, tool_call_reply
 
 from kvtether_langgraph import KVTetherCallbackHandler, KVTetherMiddleware, is_tethered, tether
-from tests.session.fake_router import FakeRouter
+from tests.support.fake_router import FakeRouter
 
 
 @tool

@@ -15,7 +15,7 @@ from langchain_core.runnables import RunnableLambda
 from kvtether_langgraph import ResponsesAPIUnsupportedError, is_tethered, tether
 
 from lg_support import chat_model
-from tests.session.fake_router import FakeRouter
+from tests.support.fake_router import FakeRouter
 
 CID = HEADER_CONVERSATION_ID.lower()
 

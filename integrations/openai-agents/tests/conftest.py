@@ -8,8 +8,7 @@ from agents import set_tracing_disabled
 
 from kvtether_agents_support import FAST, plain_client
 from kvtether_openai_agents import KVTetherProvider
-from tests.session.fake_router import FakeRouter
-from tests.session.fixtures import _server, dead_url  # noqa: F401 (fixtures)
+from tests.support.fake_router import FakeRouter, _server, dead_url  # noqa: F401 (fixtures)
 
 # No trace ever leaves these tests (nothing outside the machine is reachable).
 set_tracing_disabled(True)

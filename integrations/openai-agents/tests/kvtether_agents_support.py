@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from openai import AsyncOpenAI
 
-from tests.session.fixtures import FAST  # noqa: F401 (re-exported)
+from tests.support.fake_router import FAST  # noqa: F401 (re-exported)
 
 
 
