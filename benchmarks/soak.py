@@ -35,7 +35,9 @@ import logging
 import math
 import os
 import random
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -218,6 +220,7 @@ class StackWatch:
         self.source = source
         self._offsets: dict[Path, int] = {}
         self.stalls: list[str] = []  # "<process>: <log line>"
+        self.dumps: list[str] = []  # stack dumps taken when a stall was seen (dump_stacks)
 
     @classmethod
     def for_url(cls, url: str, state_dir: Path) -> StackWatch:
@@ -278,11 +281,43 @@ class StackWatch:
                 continue
             end = data.rfind(b"\n") + 1  # a line still being written is read next time
             self._offsets[path] = start + end
-            for line in data[:end].decode(errors="replace").splitlines():
-                if any(marker in line for marker in STALL_MARKERS):
-                    new.append(f"{record.name}: {line.strip()[:300]}")
+            found = [f"{record.name}: {line.strip()[:300]}"
+                     for line in data[:end].decode(errors="replace").splitlines()
+                     if any(marker in line for marker in STALL_MARKERS)]
+            if found:
+                self.dumps += dump_stacks(record, path.parent / "stall-dumps")
+            new += found
         self.stalls += new
         return new
+
+
+def dump_stacks(record: ProcessLike, out_dir: Path) -> list[str]:
+    """Every thread's Python and native stack of ``record``'s process and its children, taken
+    from outside with py-spy (when installed: the dev extra has it), one file per process.
+
+    From outside, because a stall vLLM reports ("No available shared memory broadcast block")
+    can sit where no in-process watch runs: between two steps, in vLLM's RPC queue."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(spy).is_file():
+        return []
+    try:
+        root = psutil.Process(record.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%H%M%S")
+    written = []
+    for proc in procs:
+        out = out_dir / f"{record.name}-{stamp}-{proc.pid}.txt"
+        try:
+            r = subprocess.run([spy, "dump", "--native", "--pid", str(proc.pid)],
+                               capture_output=True, text=True, timeout=30)
+            out.write_text(f"{' '.join(proc.cmdline()[:4])}\n{r.stdout}{r.stderr}")
+        except (OSError, subprocess.SubprocessError, psutil.Error) as exc:
+            out.write_text(f"py-spy dump failed: {exc!r}\n")
+        written.append(str(out))
+    return written
 
 
 def _same_endpoint(a: str | None, b: str) -> bool:
@@ -324,6 +359,7 @@ class SoakResult:
     turns: list[TurnRecord] = field(default_factory=list)
     windows: list[Window] = field(default_factory=list)
     stalls: list[str] = field(default_factory=list)
+    stack_dumps: list[str] = field(default_factory=list)  # py-spy dumps taken at stalls
     watch_source: str = ""
 
     @property
@@ -355,6 +391,7 @@ class SoakResult:
                 "started_unix_s": self.started_unix_s, "options": asdict(self.options),
                 "watch": self.watch_source, "summary": self.summary(),
                 "windows": [asdict(w) for w in self.windows], "stall_reports": self.stalls,
+                "stack_dumps": self.stack_dumps,
                 "turns": [asdict(t) for t in self.turns]}
 
     def text(self) -> str:
@@ -371,6 +408,9 @@ class SoakResult:
         lines += [f"    {n}x {error}" for error, n in self.summary()["errors"].items()]
         lines.append(f"  stall reports: {len(self.stalls)}")
         lines += [f"    {line}" for line in self.stalls[:20]]
+        if self.stack_dumps:
+            lines.append(f"  stack dumps (py-spy) taken at the stalls: "
+                         f"{len(self.stack_dumps)} in {Path(self.stack_dumps[0]).parent}")
         lines.append("  RSS MiB, first window -> last window (max):")
         for name, r in self.rss_trend().items():
             first, last = r["first_mib"], r["last_mib"]
@@ -519,6 +559,7 @@ class _Soak:
                         stall_reports=len(watch.stalls), rss_mib=watch.rss_mib())
         self.result.windows.append(window)
         self.result.stalls = list(watch.stalls)
+        self.result.stack_dumps = list(watch.dumps)
         return window
 
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -103,6 +104,11 @@ def test_a_stall_report_in_a_stack_log_fails_the_run(tmp_path: Path) -> None:
     assert len(result.stalls) == 1 and result.stalls[0].startswith("decode-0: WARNING")
     assert result.exit_code() == 1
     assert set(result.windows[-1].rss_mib) == {"decode-0", "soak"}
+    # Where py-spy is installed (the dev extra), the stalled process's stacks were dumped.
+    if Path(sys.executable).with_name("py-spy").is_file():
+        dump = Path(result.stack_dumps[0])
+        assert dump.parent == tmp_path / "stall-dumps" and dump.name.startswith("decode-0-")
+        assert f"Process {os.getpid()}" in dump.read_text()
 
 
 def test_without_url_it_starts_the_bench_stack_watches_it_and_stops_it(
