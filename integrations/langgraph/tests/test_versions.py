@@ -21,8 +21,21 @@ def test_installed_versions_are_supported() -> None:
 
 def test_a_new_major_is_refused_naming_the_range() -> None:
     fake = {"langgraph": "2.0.1"}
-    with pytest.raises(UnsupportedFrameworkVersionError, match=r"langgraph>=1\.0,<2\.0.*langgraph 2\.0\.1"):
+    with pytest.raises(UnsupportedFrameworkVersionError, match=r"langgraph>=1\.0,<2\.0.*langgraph 2\.0\.1") as info:
         check_versions(lambda dist: fake.get(dist, "1.5.0"))
+    assert "pip install 'langgraph>=1.0,<2.0'" in str(info.value)
+
+
+@pytest.mark.parametrize("dist", ["langchain", "langchain-core", "langchain-openai", "langgraph"])
+@pytest.mark.parametrize("version", ["0.3.30", "2.0.0", "garbage"])
+def test_each_framework_outside_its_range_is_refused(dist: str, version: str) -> None:
+    with pytest.raises(UnsupportedFrameworkVersionError, match=f"{dist}>=1\\.0,<2\\.0"):
+        check_versions(lambda d: version if d == dist else "1.0.0")
+
+
+@pytest.mark.parametrize("version", ["1.0.0", "1.5.2", "1.99.0"])
+def test_every_release_in_the_range_is_accepted(version: str) -> None:
+    check_versions(lambda dist: version)
 
 
 def test_a_missing_framework_is_refused_with_the_install_line() -> None:

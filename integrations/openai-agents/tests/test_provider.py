@@ -95,20 +95,21 @@ async def run_plain_and_tethered(
 ) -> tuple[Any, Any, list[Any], list[Any]]:
     results, bodies = [], []
     plain_provider = PlainProvider(router.url)
-    configs = [
-        (RunConfig(model_provider=plain_provider), None),
-        (RunConfig(model_provider=provider, group_id="g"), provider.hooks),
+    # The same agent through Runner on the plain model, and through kv.run (grouped by
+    # group_id, so bound to one conversation).
+    entries: list[tuple[Any, RunConfig]] = [
+        (Runner, RunConfig(model_provider=plain_provider)),
+        (provider, RunConfig(group_id="g")),
     ]
-    for config, hooks in configs:
+    for runner, config in entries:
         router.reset()
         script(router, name)
         if stream:
-            streamed = Runner.run_streamed(agent(*tools), "fix it", run_config=config, hooks=hooks)
+            streamed = runner.run_streamed(agent(*tools), "fix it", run_config=config)
             events = [_event(e) async for e in streamed.stream_events()]
             results.append((streamed, events))
         else:
-            results.append((await Runner.run(agent(*tools), "fix it", run_config=config,
-                                             hooks=hooks), None))
+            results.append((await runner.run(agent(*tools), "fix it", run_config=config), None))
         bodies.append([r.body for r in chat_requests(router)])
     await plain_provider.aclose()
     return results[0], results[1], bodies[0], bodies[1]
@@ -185,10 +186,7 @@ async def test_interleaved_runs_keep_their_own_conversation(router: Any, provide
 
     async def converse(name: str) -> None:
         for i in range(2):
-            await Runner.run(
-                agent(), f"{name} says {i}", session=sessions[name],
-                run_config=RunConfig(model_provider=provider), hooks=provider.hooks,
-            )
+            await provider.run(agent(), f"{name} says {i}", session=sessions[name])
 
     await asyncio.gather(converse("a"), converse("b"))
     seen: dict[str, set[str]] = {"a": set(), "b": set()}
@@ -207,11 +205,11 @@ async def test_interleaved_runs_keep_their_own_conversation(router: Any, provide
 
 
 async def test_group_id_and_a_fresh_run_each(router: Any, provider: Any) -> None:
-    config = RunConfig(model_provider=provider, group_id="thread-7")
-    await Runner.run(agent(), "one", run_config=config)
-    await Runner.run(agent(), "two", run_config=config)
-    await Runner.run(agent(), "three", run_config=RunConfig(model_provider=provider))
-    await Runner.run(agent(), "four", run_config=RunConfig(model_provider=provider))
+    config = RunConfig(group_id="thread-7")
+    await provider.run(agent(), "one", run_config=config)
+    await provider.run(agent(), "two", run_config=config)
+    await provider.run(agent(), "three")
+    await provider.run(agent(), "four", run_config=RunConfig())
     cids = [r.headers[HEADER_CONVERSATION_ID.lower()] for r in chat_requests(router)]
     assert cids[0] == cids[1]
     assert provider.session_for(group_id="thread-7").conversation_id == cids[0]
@@ -242,21 +240,21 @@ async def test_a_tool_error_that_ends_the_run_stops_its_heartbeat(
 
     errors = []
     plain_provider = PlainProvider(router.url)
-    for config, hooks in [
-        (RunConfig(model_provider=plain_provider), None),
-        (RunConfig(model_provider=provider, group_id="g"), provider.hooks),
+    for runner, config in [
+        (Runner, RunConfig(model_provider=plain_provider)),
+        (provider, RunConfig(group_id="g")),
     ]:
         router.reset()
         script(router, "fatal")
         with pytest.raises(Exception) as info:
-            await Runner.run(agent(fatal), "fix it", run_config=config, hooks=hooks)
+            await runner.run(agent(fatal), "fix it", run_config=config)
         errors.append((type(info.value), str(info.value)))
     await plain_provider.aclose()
     assert errors[0] == errors[1]
     # The end hook never came; the next model call of that conversation closes it.
     assert len(provider.pool.open_tool_runs()) == 1
     router.replies.append({"content": "ok"})
-    await Runner.run(agent(), "again", run_config=RunConfig(model_provider=provider, group_id="g"))
+    await provider.run(agent(), "again", run_config=RunConfig(group_id="g"))
     assert provider.pool.open_tool_runs() == []
     count = len(router.requests_to("/heartbeat"))
     await asyncio.sleep(0.2)
@@ -274,11 +272,9 @@ async def test_router_down_answers_through_the_fallback_with_one_warning(
     ) as kv:
         for i in range(3):
             router.replies.append({"content": f"plain {i}"})
-            result = await Runner.run(
-                agent(), "hi", run_config=RunConfig(model_provider=kv, group_id="g"), hooks=kv.hooks
-            )
+            result = await kv.run(agent(), "hi", run_config=RunConfig(group_id="g"))
             assert result.final_output == f"plain {i}"
-        streamed = Runner.run_streamed(agent(), "hi", run_config=RunConfig(model_provider=kv))
+        streamed = kv.run_streamed(agent(), "hi")
         router.replies.append({"content": "streamed"})
         _ = [e async for e in streamed.stream_events()]
         assert streamed.final_output == "streamed"
@@ -360,13 +356,18 @@ async def test_every_hook_the_sdk_defines_reaches_your_hooks(provider: Any) -> N
     assert all(getattr(KVTetherHooks, n) is not getattr(RunHooks, n) for n in names)
 
 
-@pytest.mark.parametrize("version", ["0.23.9", "0.25.0", "1.0.0", "garbage"])
-def test_an_unknown_sdk_version_is_refused_naming_the_range(version: str) -> None:
-    with pytest.raises(UnsupportedAgentsVersionError, match=r">=0\.24,<0\.25") as info:
+@pytest.mark.parametrize("version", ["0.3.3", "0.26.0", "1.0.0", "garbage"])
+def test_an_sdk_version_outside_the_range_is_refused_naming_it(version: str) -> None:
+    with pytest.raises(UnsupportedAgentsVersionError, match=r">=0\.4,<0\.26") as info:
         check_agents_version(version)
     assert version in str(info.value) and isinstance(info.value, ImportError)
-    assert SUPPORTED_RANGE == ">=0.24,<0.25"
-    assert check_agents_version("0.24.0") == "0.24.0"
+    assert "pip install 'openai-agents>=0.4,<0.26'" in str(info.value)
+    assert SUPPORTED_RANGE == ">=0.4,<0.26"
+
+
+@pytest.mark.parametrize("version", ["0.4.0", "0.4.2", "0.13.6", "0.24.0", "0.25.9"])
+def test_every_version_in_the_range_is_accepted(version: str) -> None:
+    assert check_agents_version(version) == version
 
 
 def test_session_for_needs_a_grouping(provider: Any) -> None:

@@ -17,12 +17,16 @@ from kvtether import AsyncSessionPool, SessionPool
 from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResponse
 from langchain_core.messages import ToolMessage
 from langchain_openai import ChatOpenAI
-from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command
 
 from kvtether_langgraph._model import is_tethered, tether
 from kvtether_langgraph._thread import thread_id_of
 from kvtether_langgraph._tools import session_for_tool
+
+try:  # the type of wrap_tool_call's request, where later langchain 1.x releases export it
+    from langchain.agents.middleware import ToolCallRequest
+except ImportError:  # langchain 1.0 documents it here
+    from langchain.tools.tool_node import ToolCallRequest  # type: ignore[no-redef]
 
 __all__ = ["KVTetherMiddleware"]
 

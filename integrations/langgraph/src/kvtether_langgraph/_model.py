@@ -34,9 +34,26 @@ ResponsesAPIUnsupported = ResponsesAPIUnsupportedError  # its earlier name
 
 
 def is_tethered(model: Any) -> bool:
-    """Whether ``model`` is a ``ChatOpenAI`` whose requests already go through kvtether."""
-    root = getattr(model, "root_client", None)
-    return getattr(getattr(root, "_client", None), "_kvtether_inner", None) is not None
+    """Whether ``model`` came from ``tether()`` (or is a copy of one, e.g. ``model_copy``):
+    its requests already go through kvtether."""
+    return isinstance(model, _ThreadFromConfig)
+
+
+# ChatOpenAI fields that make it use the Responses API when ``use_responses_api`` is unset.
+# langchain-openai sets ``use_responses_api=True`` itself for them at construction in later
+# 1.x releases; earlier 1.x releases (1.0) decide it per request, so they are read here.
+_RESPONSES_FIELDS = ("include", "reasoning", "truncation", "context_management")
+
+
+def _uses_responses_api(model: ChatOpenAI) -> bool:
+    """Whether ``model`` sends (or would infer) Responses API requests, from public fields."""
+    if model.use_responses_api is not None:
+        return bool(model.use_responses_api)
+    return (
+        getattr(model, "output_version", None) == "responses/v1"
+        or bool(getattr(model, "use_previous_response_id", False))
+        or any(getattr(model, field, None) is not None for field in _RESPONSES_FIELDS)
+    )
 
 
 def tether(model: ChatOpenAI, pool: SessionPool) -> ChatOpenAI:
@@ -53,7 +70,7 @@ def tether(model: ChatOpenAI, pool: SessionPool) -> ChatOpenAI:
         )
     if is_tethered(model):
         return model
-    if model.use_responses_api:
+    if _uses_responses_api(model):
         raise ResponsesAPIUnsupportedError(
             "kvtether tethers Chat Completions (/v1/chat/completions) only, but this ChatOpenAI "
             "uses the Responses API (use_responses_api=True, set by you or inferred from "

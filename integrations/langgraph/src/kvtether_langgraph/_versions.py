@@ -1,7 +1,11 @@
 """The framework versions this integration supports, checked once at import.
 
-langchain-openai's client fields and create_agent's middleware hooks are what the integration
-builds on; a major version may move them, so another major fails at import, naming the range.
+The integration uses the frameworks' public API only: ``ChatOpenAI``'s client fields and
+``use_responses_api``, ``create_agent``'s middleware hooks, LangChain callbacks and
+``langgraph.config.get_config``. These hold across each 1.x line, and the compat check
+(``scripts/test-compat.sh``) runs the tests against the oldest and the newest release of every
+range; another major may move them, so it fails at import, naming the range. ``SUPPORTED``
+equals ``pyproject.toml``'s requirements (a test checks it).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def check_versions(version: Callable[[str], str] = metadata.version) -> None:
             supported = ", ".join(_range(d) for d in SUPPORTED)
             raise UnsupportedFrameworkVersionError(
                 f"kvtether-langgraph supports {_range(dist)}, but {dist} {installed} is "
-                f"installed. Supported: {supported}. Install a supported version, or a "
-                f"kvtether-langgraph release made for {dist} {installed}."
+                f"installed. Supported: {supported}. Install a supported version "
+                f"(pip install '{_range(dist)}'), or a kvtether-langgraph release that "
+                f"supports {dist} {installed}."
             )

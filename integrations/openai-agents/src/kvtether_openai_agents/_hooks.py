@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from agents.lifecycle import RunHooks
+from agents import RunHooks
 
 if TYPE_CHECKING:
     from kvtether_openai_agents._provider import KVTetherProvider

@@ -1,102 +1,120 @@
 """``KVTetherProvider``: the Agents SDK's ``ModelProvider`` pointed at a kvtether router.
 
 Every model is an ``OpenAIChatCompletionsModel`` over one ``AsyncOpenAI`` client wrapped by an
-``AsyncSessionPool``: each request goes to the session of its run's conversation key. The key
-is the runner's own grouping (``conversation_id``, then the SDK ``Session``'s id, then
-``RunConfig.group_id``, else one key per run): the runner hands it to models that ask for a
-default prompt-cache key, and the model takes it back out of the request before sending, so
-the request body is exactly what the plain model would send.
+``AsyncSessionPool``: each request goes to the session of its run's conversation key. Models
+get that key through the SDK's public surface only:
+
+* ``kv.run`` / ``kv.run_streamed`` / ``kv.run_sync`` take ``Runner``'s own arguments and derive
+  the key from them in the runner's grouping order (``conversation_id``, the SDK ``Session``'s
+  id, ``RunConfig.group_id``, else one key per run); the run gets a provider bound to that key
+  (``kv.bind(...)``, which also works with ``Runner`` directly).
+* A run handed the provider itself (``RunConfig(model_provider=kv)``) uses the
+  ``conversation_id`` the runner passes every model (a public ``Model.get_response``
+  parameter), else one key per run: the run's trace (``agents.tracing.get_current_trace()``).
+  An SDK ``Session`` and ``RunConfig.group_id`` never reach a model, hence ``kv.run``.
+
+Requests leave unchanged: the body is exactly what the plain model sends.
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import openai
-from agents.models.interface import Model, ModelProvider
-from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
-from agents.model_settings import ModelSettings
+from agents import (
+    Model,
+    ModelProvider,
+    OpenAIChatCompletionsModel,
+    RunConfig,
+    Runner,
+    RunResult,
+    RunResultStreaming,
+)
+from agents.tracing import get_current_trace
 from kvtether.session import AsyncSession, AsyncSessionPool, SessionSettings
+
+from kvtether_openai_agents._keys import RUN_KEY, grouping_key, new_run_key
 
 __all__ = ["KVTetherProvider"]
 
 logger = logging.getLogger(__name__)
 
-# The conversation key of the model request being sent, read by the pool's resolver.
-_RUN_KEY: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "kvtether_openai_agents_run_key", default=None
-)
-_KEY_FIELD = "prompt_cache_key"
-_GENERATED_PREFIX = "agents-sdk:"  # how the runner's generated keys begin
-
-
-def _take_key(settings: ModelSettings) -> tuple[ModelSettings, str | None]:
-    """The run's grouping key, and the settings without it if the runner (not the user) put it
-    there; a key the user set stays in the request and is used as is."""
-    for field in ("extra_args", "extra_body"):
-        extra = getattr(settings, field)
-        if isinstance(extra, dict) and isinstance(extra.get(_KEY_FIELD), str):
-            key: str = extra[_KEY_FIELD]
-            if field == "extra_args" and key.startswith(_GENERATED_PREFIX):
-                rest = {k: v for k, v in extra.items() if k != _KEY_FIELD}
-                settings = dataclasses.replace(settings, extra_args=rest or None)
-            return settings, key
-    return settings, None
-
 
 class _TetheredModel(OpenAIChatCompletionsModel):
-    """A Chat Completions model whose requests carry their run's conversation id."""
+    """A Chat Completions model whose requests carry their run's conversation key.
+
+    Overrides only the public ``Model`` methods, with ``Model``'s own parameters: the seven
+    positional ones by name, the keyword-only ones (``previous_response_id``,
+    ``conversation_id``, ``prompt``, and any a later SDK adds) passed on as they came.
+    Attributes are ``_kvt_``-prefixed so they can never collide with the SDK's own.
+    """
 
     def __init__(
-        self, model: str | None, client: openai.AsyncOpenAI, provider: KVTetherProvider
+        self,
+        model: str | None,
+        client: openai.AsyncOpenAI,
+        provider: KVTetherProvider,
+        key: str | None = None,
     ) -> None:
         # None: the agent named no model; the router's served model, asked for at first use.
         super().__init__(model=model or "", openai_client=client)
-        self._provider = provider
-        self._named = model is not None
+        self._kvt_provider = provider
+        self._kvt_key = key  # bound by kv.run / kv.bind; None: resolved per call
+        self._kvt_named = model is not None
 
-    async def _ensure_model(self) -> None:
-        if not self._named:
-            self.model = await self._provider._default_model_name()
-            self._named = True
+    async def _kvt_begin(self, conversation_id: Any) -> str | None:
+        if not self._kvt_named:
+            self.model = await self._kvt_provider._default_model_name()
+            self._kvt_named = True
+        key = self._kvt_key or self._kvt_provider._unbound_key(conversation_id)
+        await self._kvt_provider._close_stale_tool_calls(key)
+        return key
 
-    def _supports_default_prompt_cache_key(self) -> bool:
-        # Ask the runner for its grouping key; _take_key removes it before the request leaves.
-        return True
-
-    def _begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        if "model_settings" in kwargs:
-            kwargs["model_settings"], key = _take_key(kwargs["model_settings"])
-        else:
-            settings, key = _take_key(args[2])
-            args = (*args[:2], settings, *args[3:])
-        return args, key  # type: ignore[return-value]
-
-    async def get_response(self, *args: Any, **kwargs: Any) -> Any:
-        await self._ensure_model()
-        args, key = self._begin(args, kwargs)
-        await self._provider._close_stale_tool_calls(key)
-        token = _RUN_KEY.set(key)
+    async def get_response(  # type: ignore[override]
+        self,
+        system_instructions: Any,
+        input: Any,
+        model_settings: Any,
+        tools: Any,
+        output_schema: Any,
+        handoffs: Any,
+        tracing: Any,
+        **kwargs: Any,
+    ) -> Any:
+        args = (system_instructions, input, model_settings, tools, output_schema, handoffs,
+                tracing)
+        key = await self._kvt_begin(kwargs.get("conversation_id"))
+        token = RUN_KEY.set(key)
         try:
             return await super().get_response(*args, **kwargs)
         except openai.APIConnectionError as exc:
-            fallback = self._provider._fallback_model(self.model, exc)
+            fallback = self._kvt_provider._fallback_model(self.model, exc)
             if fallback is None:
                 raise
         finally:
-            _RUN_KEY.reset(token)
+            RUN_KEY.reset(token)
         return await fallback.get_response(*args, **kwargs)
 
-    async def stream_response(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:  # type: ignore[override]
-        await self._ensure_model()
-        args, key = self._begin(args, kwargs)
-        await self._provider._close_stale_tool_calls(key)
-        token = _RUN_KEY.set(key)
+    async def stream_response(  # type: ignore[override]
+        self,
+        system_instructions: Any,
+        input: Any,
+        model_settings: Any,
+        tools: Any,
+        output_schema: Any,
+        handoffs: Any,
+        tracing: Any,
+        **kwargs: Any,
+    ) -> AsyncIterator[Any]:
+        args = (system_instructions, input, model_settings, tools, output_schema, handoffs,
+                tracing)
+        key = await self._kvt_begin(kwargs.get("conversation_id"))
+        token = RUN_KEY.set(key)
         started = False
         fallback: Model | None = None
         try:
@@ -104,21 +122,44 @@ class _TetheredModel(OpenAIChatCompletionsModel):
                 started = True
                 yield event
         except openai.APIConnectionError as exc:
-            fallback = None if started else self._provider._fallback_model(self.model, exc)
+            fallback = None if started else self._kvt_provider._fallback_model(self.model, exc)
             if fallback is None:
                 raise
         finally:
             try:
-                _RUN_KEY.reset(token)
+                RUN_KEY.reset(token)
             except ValueError:  # resumed in another context: just clear it
-                _RUN_KEY.set(None)
+                RUN_KEY.set(None)
         if fallback is not None:
             async for event in fallback.stream_response(*args, **kwargs):
                 yield event
 
 
+class _BoundProvider(ModelProvider):
+    """``kv.bind(...)``: the provider's models, every request of them in one conversation."""
+
+    def __init__(self, provider: KVTetherProvider, key: str) -> None:
+        self.provider = provider
+        self.key = key
+        self._models: dict[str, _TetheredModel] = {}
+
+    @property
+    def session(self) -> AsyncSession:
+        """This conversation's kvtether session: ``bound.session.report()``."""
+        return self.provider.pool.get(self.key)
+
+    def get_model(self, model_name: str | None) -> Model:
+        name = model_name or self.provider._default_model
+        model = self._models.get(name or "")
+        if model is None:
+            model = self._models[name or ""] = _TetheredModel(
+                name, self.provider._client, self.provider, self.key
+            )
+        return model
+
+
 class KVTetherProvider(ModelProvider):
-    """``RunConfig(model_provider=KVTetherProvider("http://127.0.0.1:8000"))``.
+    """``await kv.run(agent, input, session=...)`` with ``kv = KVTetherProvider(router_url)``.
 
     ``base_url``: the kvtether router's root (its OpenAI API is ``base_url + "/v1"``).
     ``api_key``: the router's key; used only for requests to the router, never for tracing.
@@ -158,17 +199,57 @@ class KVTetherProvider(ModelProvider):
             base_url, max_sessions=max_sessions, idle_ttl_s=idle_ttl_s, settings=settings,
             api_key=api_key,
         )
-        self._client = self._pool.wrap(openai_client, resolver=_RUN_KEY.get)
+        self._client = self._pool.wrap(openai_client, resolver=RUN_KEY.get)
         self._fallback_client = fallback_client
         self._models: dict[str, _TetheredModel] = {}
         self._fallbacks: dict[str, Model] = {}
+        # The key of each run given the provider itself, by its trace (kept while it lives).
+        self._trace_keys: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._warned_unreachable = False
+        self._warned_unbound = False
         self.fallback_turns = 0  # model calls the router could not take (answered by fallback)
 
     @property
     def pool(self) -> AsyncSessionPool:
         """The sessions, one per conversation key: ``provider.pool.get(key).report()``."""
         return self._pool
+
+    # --- runs -------------------------------------------------------------------------------
+    async def run(self, starting_agent: Any, input: Any, **kwargs: Any) -> RunResult:
+        """``Runner.run`` with ``Runner.run``'s arguments, tethered to the run's conversation:
+        ``conversation_id``, else ``session``'s id, else ``run_config.group_id``, else its own.
+
+        The run gets a copy of ``run_config`` (a ``RunConfig()`` if none is given) whose model
+        provider is this one bound to that conversation (unless it already is a ``kv.bind()``
+        of yours); ``hooks`` default to ``kv.hooks``, and hooks of your own are wrapped by them
+        (``KVTetherHooks(kv, wrapped=yours)``).
+        """
+        return await Runner.run(starting_agent, input, **self._run_options(kwargs))
+
+    def run_sync(self, starting_agent: Any, input: Any, **kwargs: Any) -> RunResult:
+        """``Runner.run_sync``, tethered like ``run``."""
+        return Runner.run_sync(starting_agent, input, **self._run_options(kwargs))
+
+    def run_streamed(self, starting_agent: Any, input: Any, **kwargs: Any) -> RunResultStreaming:
+        """``Runner.run_streamed``, tethered like ``run``."""
+        return Runner.run_streamed(starting_agent, input, **self._run_options(kwargs))
+
+    def bind(
+        self,
+        *,
+        conversation_id: str | None = None,
+        session: Any = None,
+        group_id: str | None = None,
+    ) -> ModelProvider:
+        """This provider with every request in one conversation, for ``Runner`` itself:
+        ``RunConfig(model_provider=kv.bind(session=sdk_session))``.
+
+        The conversation is the first given of ``conversation_id``, an SDK ``Session`` (or its
+        ``session_id``) and ``group_id``; with none, a new one, kept for as long as you keep
+        passing the same bound provider. ``kv.run`` binds each run this way.
+        """
+        key = grouping_key(conversation_id=conversation_id, session=session, group_id=group_id)
+        return _BoundProvider(self, key or new_run_key())
 
     def session_for(
         self,
@@ -178,23 +259,12 @@ class KVTetherProvider(ModelProvider):
         group_id: str | None = None,
     ) -> AsyncSession:
         """The kvtether session of the runs grouped by ``conversation_id``, an SDK ``Session``
-        (or its ``session_id``) or ``group_id`` — the first given, in the runner's own order.
-
-        The runner hands models a prompt-cache key derived from that grouping (a hash of the id
-        in openai-agents 0.24); this derives it the runner's way, so ``kv.session_for(
-        session=sdk_session).report()`` shows that conversation's turns.
-        """
-        from agents.run_internal.prompt_cache_key import _prompt_cache_key_for_grouping
-
-        if conversation_id is not None:
-            kind, value = "conversation", conversation_id
-        elif session is not None:
-            kind, value = "session", str(getattr(session, "session_id", session))
-        elif group_id is not None:
-            kind, value = "group", group_id
-        else:
+        (or its ``session_id``) or ``group_id`` — the first given, in the runner's own order —
+        so ``kv.session_for(session=sdk_session).report()`` shows that conversation's turns."""
+        key = grouping_key(conversation_id=conversation_id, session=session, group_id=group_id)
+        if key is None:
             raise ValueError("session_for() needs conversation_id, session or group_id")
-        return self._pool.get(_prompt_cache_key_for_grouping(kind, value))
+        return self._pool.get(key)
 
     @property
     def hooks(self) -> Any:
@@ -239,7 +309,61 @@ class KVTetherProvider(ModelProvider):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    # --- used by the model and the hooks ----------------------------------------------------
+    # --- used by the runs, the models and the hooks -----------------------------------------
+    def _run_options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``Runner``'s keyword arguments, with the run bound to its conversation."""
+        from kvtether_openai_agents._hooks import KVTetherHooks
+
+        run_config = kwargs.get("run_config")
+        if isinstance(run_config, Mapping):  # the SDKs that take a dict of RunConfig fields
+            group_id, given = run_config.get("group_id"), run_config.get("model_provider")
+        else:
+            group_id = getattr(run_config, "group_id", None)
+            given = getattr(run_config, "model_provider", None)
+        if isinstance(given, _BoundProvider) and given.provider is self:
+            bound = given  # a binding of yours: RunConfig(model_provider=kv.bind(...))
+        else:
+            bound = self.bind(
+                conversation_id=kwargs.get("conversation_id"), session=kwargs.get("session"),
+                group_id=group_id,
+            )
+        if run_config is None:
+            run_config = RunConfig(model_provider=bound)
+        elif isinstance(run_config, Mapping):
+            run_config = {**run_config, "model_provider": bound}
+        else:
+            run_config = dataclasses.replace(run_config, model_provider=bound)
+        hooks = kwargs.get("hooks")
+        if hooks is None:
+            hooks = self.hooks
+        elif not isinstance(hooks, KVTetherHooks):
+            hooks = KVTetherHooks(self, wrapped=hooks)
+        return {**kwargs, "run_config": run_config, "hooks": hooks}
+
+    def _unbound_key(self, conversation_id: Any) -> str | None:
+        """The key of a model call of a run handed the provider itself: the runner's
+        ``conversation_id``, else one per run (its trace; runs you wrap in one ``trace()`` of
+        your own share it), else None outside any run (the pool's default session)."""
+        key = grouping_key(conversation_id=conversation_id)
+        if key is not None:
+            return key
+        trace = get_current_trace()
+        if trace is None:
+            return None
+        key = self._trace_keys.get(trace)
+        if key is None:
+            key = self._trace_keys[trace] = new_run_key()
+            if not self._warned_unbound:
+                self._warned_unbound = True
+                logger.warning(
+                    "kvtether: a run without conversation_id was given the KVTetherProvider "
+                    "itself; models never see an SDK Session or RunConfig.group_id, so each "
+                    "such run is its own conversation. Start runs with kv.run(...) (Runner's "
+                    "arguments) or RunConfig(model_provider=kv.bind(session=...)) to keep a "
+                    "conversation's KV from one run to the next."
+                )
+        return key
+
     def _fallback_model(self, model: Any, exc: Exception) -> Model | None:
         if self._fallback_client is None:
             return None
