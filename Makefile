@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvtether-setup-$(shell cat $(SETUP_INPUTS) | sha1sum | cut -c1
 # The integrations' tests, where their distributions are installed (Python >= 3.11).
 INTEGRATION_TESTS = $$($(PY) -c 'import sys; print("integrations/langgraph/tests integrations/openai-agents/tests" if sys.version_info >= (3, 11) else "")')
 
-.PHONY: setup demo test test-fast bench bench-idle notebooks clean
+.PHONY: setup demo test test-fast test-compat bench bench-idle notebooks clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,12 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest tests $(INTEGRATION_TESTS) $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-compat
+
+# The integrations against the oldest and newest releases of their framework ranges, each in a
+# throwaway virtualenv (~2 min with a warm pip cache; needs the package index).
+test-compat: setup
+	PYTHON=$(PY) bash scripts/test-compat.sh $(COMPAT_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest tests $(INTEGRATION_TESTS) -m "not vllm and not soak" $(PYTEST_ARGS)

@@ -743,7 +743,10 @@ def main(argv: list[str] | None = None) -> int:
             settings = stack_settings(args)
             print(f"starting the stack ({args.profile}, {args.prefill}P+{args.decode}D, logs in "
                   f"{settings.state_dir}/logs)", flush=True)
-            # die_with_parent: a soak killed outright still takes its stack down.
+            # SIGTERM while the stack starts stops what it started, as Ctrl-C does (the run
+            # installs its own handlers later); die_with_parent: a soak killed outright (SIGKILL)
+            # still takes its stack down.
+            signal.signal(signal.SIGTERM, _interrupt)
             with Stack(settings, progress=True, die_with_parent=True) as stack:
                 watch = StackWatch(lambda: stack.state.processes if stack.state else (),
                                    source=f"stack processes and logs in {settings.state_dir}")
@@ -755,6 +758,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         print(f"results: {args.json}")
     return result.exit_code()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -282,7 +282,6 @@ def test_openai_agents_two_sessions_interleaved_with_a_long_and_a_failing_tool(
         Agent,
         ModelSettings,
         RunConfig,
-        Runner,
         SQLiteSession,
         function_tool,
     )
@@ -339,17 +338,16 @@ def test_openai_agents_two_sessions_interleaved_with_a_long_and_a_failing_tool(
         )
         # A second agent with its own instructions: the two conversations share no KV blocks.
         agent_b = agent.clone(instructions=_system_prompt())
-        run_config = RunConfig(model_provider=kv, tracing_disabled=True)
+        run_config = RunConfig(tracing_disabled=True)  # kv.run binds its provider
         plain, streamed = SQLiteSession("oa-plain"), SQLiteSession("oa-stream")
         events: list[str] = []
 
         async def run_plain(text: str) -> Any:
-            return await Runner.run(agent, text, session=plain, run_config=run_config,
-                                    hooks=kv.hooks, max_turns=4)
+            return await kv.run(agent, text, session=plain, run_config=run_config, max_turns=4)
 
         async def run_stream(text: str) -> Any:
-            result = Runner.run_streamed(agent_b, text, session=streamed,
-                                         run_config=run_config, hooks=kv.hooks, max_turns=4)
+            result = kv.run_streamed(agent_b, text, session=streamed, run_config=run_config,
+                                     max_turns=4)
             async for event in result.stream_events():
                 events.append(event.type)
             return result
