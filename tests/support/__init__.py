@@ -15,4 +15,6 @@ router are defined next to it and imported into each conftest that serves it.
 - :mod:`~tests.support.redis_server`: a real redis-server for the store tests.
 - :mod:`~tests.support.stacks`: what the real-vLLM tests share (ports, stack handles,
   supervision, in-process routers over a stack).
+- :mod:`~tests.support.public_api`: the static check that the integrations read no other
+  package's private names.
 """
