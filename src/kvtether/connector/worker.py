@@ -17,6 +17,7 @@ The upstream change that would make this unnecessary: a stall report in vLLM's w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvtether.connector._compat import check_vllm_version
@@ -48,21 +49,17 @@ class WatchedCPUWorker(CPUWorker):
         )
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
-        watch = self._rpc_watch
-        if watch is None:
-            return super().execute_model(*args, **kwargs)
-        watch.begin()
-        try:
-            return super().execute_model(*args, **kwargs)
-        finally:
-            watch.end()
+        return self._watched(super().execute_model, *args, **kwargs)
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        return self._watched(super().sample_tokens, *args, **kwargs)
+
+    def _watched(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         watch = self._rpc_watch
         if watch is None:
-            return super().sample_tokens(*args, **kwargs)
+            return call(*args, **kwargs)
         watch.begin()
         try:
-            return super().sample_tokens(*args, **kwargs)
+            return call(*args, **kwargs)
         finally:
             watch.end()
