@@ -149,15 +149,77 @@ _bodies = st.one_of(
 )
 
 
+_items = st.one_of(
+    _json_values,
+    st.lists(st.one_of(
+        _json_values,
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "x"])},
+                              optional={"content": _json_values | _text,
+                                        "type": st.sampled_from(["message", "function_call",
+                                                                 "nope"]) | _json_values}),
+    ), max_size=4),
+    st.just([{"role": "user", "content": "hello there"}]),
+)
+_responses_body = st.fixed_dictionaries({}, optional={
+    "model": st.sampled_from(["tiny", "tiny", "other"]) | _json_values,
+    "input": _text | _items,
+    "instructions": _text | _json_values,
+    "max_output_tokens": st.integers(-3, 8) | _json_values,
+    "stream": st.booleans() | _json_values,
+    "store": st.booleans() | _json_values,
+    "previous_response_id": st.none() | _text | _json_values,
+    "background": st.booleans() | _json_values,
+    "conversation_id": _ids | _json_values,
+    "kv_transfer_params": _json_values,
+    "tools": _json_values,
+})
+_blocks = st.lists(st.one_of(
+    _json_values,
+    st.fixed_dictionaries({"type": st.sampled_from(["text", "tool_use", "tool_result", "image",
+                                                    "nope"]) | _json_values},
+                          optional={"text": _text | _json_values, "id": _text,
+                                    "content": _json_values, "input": _json_values}),
+), max_size=3)
+_messages_body = st.fixed_dictionaries({}, optional={
+    "model": st.sampled_from(["tiny", "tiny", "other"]) | _json_values,
+    "messages": st.one_of(_json_values, st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "system", "x"]) | _json_values},
+        optional={"content": _text | _blocks | _json_values}), max_size=4)),
+    "system": _text | _blocks | _json_values,
+    "max_tokens": st.integers(-3, 8) | _json_values,
+    "stream": st.booleans() | _json_values,
+    "stop_sequences": _json_values,
+    "tools": _json_values,
+    "thinking": _json_values,
+    "kv_transfer_params": _json_values,
+})
+_plausible_messages = st.fixed_dictionaries(
+    {"model": st.just("tiny"), "max_tokens": st.integers(1, 4),
+     "messages": st.lists(st.sampled_from(["run the tests", "read the file", "ok"]),
+                          min_size=1, max_size=3).map(
+         lambda said: [{"role": "user", "content": x} for x in said])},
+    optional={"stream": st.booleans(), "system": st.just(SYSTEM_PROMPT)},
+)
+_api_bodies = st.one_of(
+    st.none(), st.binary(max_size=300), _json_values.map(lambda v: json.dumps(v).encode()),
+    _responses_body.map(lambda b: json.dumps(b).encode()),
+    _messages_body.map(lambda b: json.dumps(b).encode()),
+    _plausible_messages.map(lambda b: json.dumps(b).encode()),
+)
+
+
 # --- checks ----------------------------------------------------------------------------------
-def check(r: httpx.Response, sent: list[str]) -> None:
+def check(r: httpx.Response, sent: list[str], *, anthropic: bool = False) -> None:
     event(f"HTTP {r.status_code}")
     assert r.status_code < 500, (r.status_code, r.text[:500])
     if r.status_code >= 400:
         assert r.headers["content-type"].startswith("application/json"), r.headers
-        error = r.json()["error"]
+        body = r.json()
+        if anthropic:  # Anthropic's shape: {"type": "error", "error": {"type", "message"}}
+            assert body["type"] == "error", body
+        error = body["error"]
         assert isinstance(error["message"], str) and error["message"]
-        assert isinstance(error["type"], str) and "code" in error
+        assert isinstance(error["type"], str) and (anthropic or "code" in error)
         message = error["message"]
         for echoed in sent:  # a client's own id, echoed back, is not an internal detail
             if echoed:
@@ -186,6 +248,22 @@ def test_completions_endpoints(live: Any, path: str, hdrs: list, body: bytes | N
     r = run(loop, h, "POST", path, hdrs, body)
     ids = [v.decode("utf-8", "replace") for k, v in hdrs if k == b"x-conversation-id"]
     check(r, ids)
+    alive(loop, h)
+
+
+@FUZZ
+@given(path=st.sampled_from(["/v1/responses", "/v1/messages"]), hdrs=headers(), body=_api_bodies,
+       agent=st.sampled_from([None, "explore", "a b", ""]))
+def test_responses_and_messages_endpoints(live: Any, path: str, hdrs: list,
+                                          body: bytes | None, agent: str | None) -> None:
+    loop, h = live
+    if agent is not None:
+        hdrs = [*hdrs, (b"x-claude-code-session-id", b"cc-fuzz"),
+                (b"x-claude-code-agent-id", agent.encode())]
+    r = run(loop, h, "POST", path, hdrs, body)
+    ids = [v.decode("utf-8", "replace") for k, v in hdrs
+           if k in (b"x-conversation-id", b"x-claude-code-agent-id")]
+    check(r, ids, anthropic=path == "/v1/messages")
     alive(loop, h)
 
 

@@ -86,7 +86,10 @@ from kvtether.protocol import (  # noqa: E402
     KV_PARAM_HANDLE_KEY,
     KV_PARAM_LEASE_KEY,
     KV_PARAM_LEASE_TTL_S,
+    KV_PARAM_OUTPUT_TOKEN_IDS,
+    KV_PARAM_PROMPT_TOKEN_IDS,
     KV_PARAM_PULL,
+    KV_PARAM_REPORT_TOKEN_IDS,
     KV_PARAM_TIMINGS,
     ConnectorStatus,
     IdleInfo,
@@ -276,6 +279,8 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
             if out is not None and record is not None:
                 out.update(record.as_params())
                 self._count_pull(record)
+            if out is not None and params.get(KV_PARAM_REPORT_TOKEN_IDS):
+                out[KV_PARAM_PROMPT_TOKEN_IDS] = list(request.prompt_token_ids or [])
             if delay and out is not None and out.get("remote_blocks_expiry_time") is None:
                 # Upstream exports a deadline only with decode-held KV. With prefill's too,
                 # decode declines a read that comes after prefill may have freed the blocks
@@ -309,6 +314,11 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
         tokens = int(handle.get("remote_num_tokens") or 0)
         annotate_handle(handle, request.all_token_ids[:tokens], self.block_size)
         handle[KV_PARAM_LEASE_KEY] = key
+        if params.get(KV_PARAM_REPORT_TOKEN_IDS):
+            # The router cannot see these in a Responses or Messages answer; it takes them out
+            # of the handle before anyone reads it.
+            handle[KV_PARAM_PROMPT_TOKEN_IDS] = list(request.prompt_token_ids or [])
+            handle[KV_PARAM_OUTPUT_TOKEN_IDS] = list(request.output_token_ids)
         updates = self.leases.open(
             key, request.request_id, handle,
             retained_blocks=sum(len(group) for group in handle["remote_block_ids"]),

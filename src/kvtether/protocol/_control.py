@@ -44,6 +44,11 @@ KV_PARAM_PREFIX_BREAK = "kvtether_prefix_break"  # P: the prompt differs from D'
 KV_PARAM_REUSED_TOKENS = "kvtether_reused_tokens"  # P: tokens actually read from D
 KV_PARAM_PULL = "kvtether_pull"  # P: a PullOutcome value
 KV_PARAM_TIMINGS = "kvtether_timings"  # P and D -> router: EngineTimings of the leg
+# router -> P and D: report the request's token ids (APIs whose answers carry none: Responses,
+# Messages); P answers with the prompt's, D adds the prompt's and the output's to its handle.
+KV_PARAM_REPORT_TOKEN_IDS = "kvtether_report_token_ids"
+KV_PARAM_PROMPT_TOKEN_IDS = "kvtether_prompt_token_ids"  # P and D -> router
+KV_PARAM_OUTPUT_TOKEN_IDS = "kvtether_output_token_ids"  # D -> router
 
 # vLLM's prefill side declines to read a handle whose expiry is this close (seconds). This is
 # vLLM 0.32's ``_KV_BLOCKS_EXPIRY_SAFETY_MARGIN``, written here because the router and tests

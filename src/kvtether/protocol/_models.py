@@ -176,6 +176,9 @@ class SessionStatus(BaseModel):
     decode_instance: str | None
     retained_tokens: int
     lease_deadline_unix_s: float | None
+    # The conversation this one was spawned from (a subagent's main agent), when a request
+    # named one (X-Parent-Conversation-Id, or a coding agent's own parent header).
+    parent_id: str | None = None
     lease_state: Literal["active", "none", "expired", "released", "evicted"]
     lease_key: str | None = None  # the lease on the decode instance's kvtether connector
     turns: list[TurnRecord]  # the most recent turns only (the router keeps a bounded number)

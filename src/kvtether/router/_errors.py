@@ -9,7 +9,8 @@ from starlette.responses import JSONResponse, Response
 
 from kvtether.protocol import error_body
 
-__all__ = ["RouterHTTPError", "UpstreamError", "error_response"]
+__all__ = ["RouterHTTPError", "UpstreamError", "anthropic_error_body", "error_response",
+           "is_anthropic_path"]
 
 _TYPES = {
     400: "invalid_request_error",
@@ -56,14 +57,45 @@ class UpstreamError(RouterHTTPError):
             body, message = None, response.text[:500]
         return cls(response.status_code, message, body)
 
-    def to_response(self) -> Response:
+    def to_response(self, *, anthropic: bool = False) -> Response:
         if isinstance(self.body, dict) and "error" in self.body:
-            return JSONResponse(self.body, status_code=self.status)
-        return error_response(self.status, self.message)
+            if not anthropic or self.body.get("type") == "error":
+                return JSONResponse(self.body, status_code=self.status)
+        return error_response(self.status, self.message, anthropic=anthropic)
+
+
+# Anthropic's error types (https://docs.anthropic.com/en/api/errors), by status.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    410: "invalid_request_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def is_anthropic_path(path: str | None) -> bool:
+    """Requests the router answers in Anthropic's shape (the Messages API)."""
+    return bool(path) and path.startswith("/v1/messages")  # type: ignore[union-attr]
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    type_ = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": type_, "message": message}}
 
 
 def error_response(
-    status: int, message: str, *, param: str | None = None, code: str | None = None
+    status: int, message: str, *, param: str | None = None, code: str | None = None,
+    anthropic: bool = False,
 ) -> JSONResponse:
+    """An OpenAI-style error (``{"error": {...}}``), or Anthropic's shape for ``anthropic``."""
+    if anthropic:
+        return JSONResponse(anthropic_error_body(status, message), status_code=status)
     type_ = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return JSONResponse(error_body(message, type_, param=param, code=code), status_code=status)

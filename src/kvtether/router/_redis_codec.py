@@ -31,6 +31,7 @@ def dump(conv: Conversation, names: list[str]) -> dict[bytes, bytes]:
         if name == "meta":
             value: bytes = json.dumps({
                 "decode": conv.decode_instance,
+                "parent": conv.parent_id,
                 "gone": conv.gone_cause.value if conv.gone_cause else None,
                 "turn_count": conv.turn_count,
                 "fired_turns": conv.fired_turns,
@@ -88,6 +89,7 @@ def load(conversation_id: str, tenant: str, data: dict[bytes, bytes],
         return conv
     meta = json.loads(data[b"meta"])
     conv.decode_instance = meta["decode"]
+    conv.parent_id = meta.get("parent")
     conv.gone_cause = MissCause(meta["gone"]) if meta["gone"] else None
     conv.turn_count = meta["turn_count"]
     conv.fired_turns = meta["fired_turns"]

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvtether.errors import ConfigError
-from kvtether.router._errors import RouterHTTPError, error_response
+from kvtether.router._errors import RouterHTTPError, error_response, is_anthropic_path
 from kvtether.router.settings import AccessSettings
 
 __all__ = ["ANONYMOUS_TENANT", "DEFAULT_TENANT", "AccessMiddleware", "KeyRing", "tenant_of"]
@@ -130,12 +130,16 @@ class AccessMiddleware:
             return
         headers = _headers(scope)
         tenant = self.keys.tenant(headers.get("authorization"))
+        if tenant is None and "x-api-key" in headers:  # how Anthropic's SDKs send a key
+            tenant = self.keys.tenant(f"Bearer {headers['x-api-key']}")
+        anthropic = is_anthropic_path(scope.get("path"))
         if tenant is None and scope.get("path") not in self.open_paths:
             self.on_error(401)
             response = error_response(
-                401, "missing or invalid API key: send 'Authorization: Bearer <key>' with a key "
-                     "this router was given (--api-key / --api-key-file)",
-                code="invalid_api_key",
+                401, "missing or invalid API key: send 'Authorization: Bearer <key>' (or "
+                     "'x-api-key: <key>') with a key this router was given (--api-key / "
+                     "--api-key-file)",
+                code="invalid_api_key", anthropic=anthropic,
             )
             response.headers["WWW-Authenticate"] = "Bearer"
             await response(scope, receive, send)
@@ -148,7 +152,7 @@ class AccessMiddleware:
             message = (self._too_large() if status == 413
                        else "Content-Length must be a non-negative integer")
             await error_response(status, message, code="request_too_large" if status == 413
-                                 else None)(scope, receive, send)
+                                 else None, anthropic=anthropic)(scope, receive, send)
             return
         await self.app(scope, self._bounded(receive), send)
 

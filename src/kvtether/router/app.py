@@ -23,7 +23,13 @@ from kvtether import protocol as p
 from kvtether._validation import first_field_error
 from kvtether.router._clock import Clock, SystemClock
 from kvtether.router._deps import RouterDeps
-from kvtether.router._errors import RouterHTTPError, UpstreamError, error_response
+from kvtether.router._errors import (
+    RouterHTTPError,
+    UpstreamError,
+    error_response,
+    is_anthropic_path,
+)
+from kvtether.router.apis import API_PATHS, api_for
 from kvtether.router.access import AccessMiddleware, KeyRing, tenant_of
 from kvtether.router.backends import BackendPool
 from kvtether.router.conversations import (
@@ -33,6 +39,7 @@ from kvtether.router.conversations import (
     StoreError,
 )
 from kvtether.router.leases import LeaseClient
+from kvtether.router.identity import identify
 from kvtether.router.metrics import RouterMetrics
 from kvtether.router.retention import Retention
 from kvtether.router.sessions import SessionAPI
@@ -106,8 +113,7 @@ def create_app(
     retention = Retention(deps)
     sessions = SessionAPI(deps, retention)
     routes = [
-        Route("/v1/chat/completions", _completions, methods=["POST"]),
-        Route("/v1/completions", _completions, methods=["POST"]),
+        *(Route(path, _turn, methods=["POST"]) for path in API_PATHS),
         Route("/v1/models", _models, methods=["GET"]),
         Route("/health", _health, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
@@ -139,16 +145,12 @@ def create_app(
     return app
 
 
-async def _completions(request: Request) -> Response:
+async def _turn(request: Request) -> Response:
+    """Every API's turn (chat, completions, responses, messages): one pipeline."""
     state = request.app.state
     body = await _json_body(request)
     endpoint = request.url.path
-    if endpoint == "/v1/chat/completions":
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise RouterHTTPError(400, "'messages' must be a non-empty list", param="messages")
-    elif "prompt" not in body:
-        raise RouterHTTPError(400, "'prompt' is required", param="prompt")
+    api_for(endpoint).check(body)
     model = body.get("model")
     if model is not None:
         names = await state.models.names()
@@ -157,14 +159,18 @@ async def _completions(request: Request) -> Response:
                 404, f"The model `{model}` does not exist. Served: {', '.join(names)}",
                 param="model", code="model_not_found",
             )
-    conversation_id = _conversation_id(request, body)
+    who = identify(request.headers, body)
     hints = _hints(request, body)
+    if who.end:
+        # The agent's last turn: its KV is released once answered.
+        hints = (hints or p.TurnHints()).model_copy(update={"phase": p.Phase.FINAL})
     for field in p.KVTETHER_BODY_FIELDS:
         body.pop(field, None)
     # kv_transfer_params is the router's to set; a client's would bypass the prefix check.
     body.pop("kv_transfer_params", None)
     return await state.runner.run(
-        TurnRequest(endpoint, body, conversation_id, hints, tenant=tenant_of(request))
+        TurnRequest(endpoint, body, who.conversation_id, hints, tenant=tenant_of(request),
+                    parent_id=who.parent_id)
     )
 
 
@@ -274,25 +280,6 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
-def _conversation_id(request: Request, body: dict[str, Any]) -> str | None:
-    value: Any = request.headers.get(p.HEADER_CONVERSATION_ID)
-    source = p.HEADER_CONVERSATION_ID
-    for alias in p.CONVERSATION_ID_HEADER_ALIASES:
-        if value is None:
-            value, source = request.headers.get(alias), alias
-    if value is None and p.BODY_CONVERSATION_ID in body:
-        value, source = body[p.BODY_CONVERSATION_ID], p.BODY_CONVERSATION_ID
-    if value is None:
-        return None
-    value = value.strip() if isinstance(value, str) else value
-    problem = p.conversation_id_problem(value)
-    if problem is not None:
-        hint = ("; derive one from your own id with kvtether.session.conversation_id_from()"
-                if "characters [" in problem else "")
-        raise RouterHTTPError(400, f"{source} {problem}{hint}", param=source)
-    return str(value)
-
-
 def _hints(request: Request, body: dict[str, Any]) -> p.TurnHints | None:
     header = request.headers.get(p.HEADER_HINTS)
     try:
@@ -319,21 +306,25 @@ def _counted(handler, metrics: RouterMetrics):  # noqa: ANN001, ANN202
 
 
 async def _router_error(request: Request, exc: Exception) -> Response:
+    anthropic = is_anthropic_path(request.url.path)
     if isinstance(exc, UpstreamError):
-        return exc.to_response()
+        return exc.to_response(anthropic=anthropic)
     assert isinstance(exc, RouterHTTPError)
-    return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+    return error_response(exc.status, exc.message, param=exc.param, code=exc.code,
+                          anthropic=anthropic)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    return error_response(exc.status_code, exc.detail or "request failed")
+    return error_response(exc.status_code, exc.detail or "request failed",
+                          anthropic=is_anthropic_path(request.url.path))
 
 
 async def _table_full(request: Request, exc: Exception) -> Response:
     return error_response(503, "the router's conversation table is full and every "
                                "conversation in it has a turn in flight; retry shortly",
-                          code="conversation_table_full")
+                          code="conversation_table_full",
+                          anthropic=is_anthropic_path(request.url.path))
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
@@ -341,7 +332,8 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
     # when the tool ends): nothing was done and nobody reads the answer.
     logger.debug("%s %s: client disconnected", request.method, request.url.path)
     return error_response(400, "the client disconnected before sending its request",
-                          code="client_disconnected")
+                          code="client_disconnected",
+                          anthropic=is_anthropic_path(request.url.path))
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
@@ -351,7 +343,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
                  request_id, exc_info=exc)
     response = error_response(
         500, f"internal router error (request id {request_id}; the router's log has the "
-             "details)", code="internal_error",
+             "details)", code="internal_error", anthropic=is_anthropic_path(request.url.path),
     )
     response.headers["X-Request-Id"] = request_id
     return response

@@ -83,6 +83,7 @@ class RetainedKV:
 class Conversation:
     conversation_id: str
     tenant: str = ""  # who created it (router.access); only that tenant's requests find it
+    parent_id: str | None = None  # the conversation this one was spawned from (a subagent's)
     decode_instance: str | None = None
     retained: RetainedKV | None = None
     # Why there is no retained KV right now (released, evicted, expired...), for the next turn.
@@ -148,6 +149,7 @@ class Conversation:
         return SessionStatus(
             conversation_id=self.conversation_id,
             decode_instance=self.decode_instance,
+            parent_id=self.parent_id,
             retained_tokens=r.retained_tokens if r else 0,
             lease_deadline_unix_s=r.lease_deadline_unix_s if r else None,
             lease_state=self.lease_state(now),  # type: ignore[arg-type]

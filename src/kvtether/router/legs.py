@@ -16,6 +16,7 @@ import httpx
 
 from kvtether import protocol as p
 from kvtether.router._errors import RouterHTTPError, UpstreamError
+from kvtether.router.apis import api_for
 from kvtether.router.backends import Backend, BackendPool
 
 logger = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ __all__ = [
     "FirstToken", "PrefillRefused", "PrefillResult", "PrefillTimedOut", "engine_timings", "failure_kind", "json_or_502",
     "note_failure",
     "open_decode", "prefill",
-    "prompt_ids", "tokenize",
+    "prompt_ids", "reported_token_ids", "tokenize",
 ]
 
 # A prefill leg with no handle to read: P computes the prompt and keeps its KV for D.
@@ -36,8 +37,6 @@ _FRESH_PREFILL_PARAMS = {
     "remote_host": None,
     "remote_port": None,
 }
-# Fields of the client's body that make no sense for a one-token prefill request.
-_NOT_FOR_PREFILL = ("stream", "stream_options", "max_completion_tokens", "min_tokens")
 # Chat fields /tokenize needs to render the prompt exactly as the prefill leg will.
 _TOKENIZE_CHAT_KEYS = ("model", "messages", "tools", "chat_template", "chat_template_kwargs",
                        "add_generation_prompt", "continue_final_message", "add_special_tokens")
@@ -167,9 +166,11 @@ async def prefill(
     ``timeout_s``: how long to wait for P's answer (it comes whole, at the end of the leg);
     past it the request is dropped (vLLM aborts it) and :class:`PrefillTimedOut` raised.
     """
-    leg_body = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
-    leg_body.update(max_tokens=1, n=1, return_token_ids=True)
-    leg_body["kv_transfer_params"] = handle or dict(_FRESH_PREFILL_PARAMS)
+    api = api_for(endpoint)
+    leg_body = api.prefill_body(body)
+    leg_body["kv_transfer_params"] = dict(handle or _FRESH_PREFILL_PARAMS)
+    if not api.token_ids_in_answer:
+        leg_body["kv_transfer_params"][p.KV_PARAM_REPORT_TOKEN_IDS] = True
     t0 = time.perf_counter()
     backend.inflight += 1
     try:
@@ -187,20 +188,40 @@ async def prefill(
     data = json_or_502(r.content, backend)
     params = data.get("kv_transfer_params") or {}
     engine = engine_timings(params)
+    reported = params.pop(p.KV_PARAM_PROMPT_TOKEN_IDS, None)
     if not params.get("do_remote_prefill"):
         raise RouterHTTPError(502, "prefill instance returned no KV handle; is it running "
                                    "with the NIXL connector?", code="upstream_misconfigured")
     return PrefillResult(
         prefill=backend,
         params=params,
-        prompt_token_ids=prompt_ids(data),
+        prompt_token_ids=(prompt_ids(data) if api.token_ids_in_answer
+                          else _int_list(reported)),
         cached_tokens=int(params.get("remote_prefill_cached_tokens") or 0),
         pulled_tokens=params.get(p.KV_PARAM_REUSED_TOKENS),
         pull=params.get(p.KV_PARAM_PULL),
         leg_s=leg_s,
         engine=engine,
-        first=first_token(data) if endpoint.endswith("/chat/completions") else None,
+        first=first_token(data) if api.name == "chat" else None,
     )
+
+
+def _int_list(value: Any) -> list[int]:
+    if isinstance(value, list) and all(isinstance(t, int) for t in value):
+        return value
+    return []
+
+
+def reported_token_ids(handle: dict[str, Any] | None) -> tuple[list[int], list[int]] | None:
+    """Take the token ids decode's connector reported (Responses and Messages turns) out of
+    its handle: (prompt, output), or None when it reported none."""
+    if not isinstance(handle, dict):
+        return None
+    prompt = handle.pop(p.KV_PARAM_PROMPT_TOKEN_IDS, None)
+    output = handle.pop(p.KV_PARAM_OUTPUT_TOKEN_IDS, None)
+    if prompt is None:
+        return None
+    return _int_list(prompt), _int_list(output)
 
 
 def _read_timeout(backend: Backend, timeout_s: float | None) -> float:

@@ -17,7 +17,8 @@ from starlette.types import Receive, Scope, Send
 
 from kvtether import protocol as p
 from kvtether.router._clock import Clock
-from kvtether.router._errors import RouterHTTPError
+from kvtether.router._errors import RouterHTTPError, anthropic_error_body
+from kvtether.router.apis import Api, api_for
 from kvtether.router.backends import Backend
 from kvtether.router.conversations import Conversation, HeldConversation
 from kvtether.router.legs import FirstToken, failure_kind, json_or_502, note_failure, prompt_ids
@@ -27,8 +28,8 @@ logger = logging.getLogger(__name__)
 # Releases started when a stream ends early; held here so they are not garbage-collected.
 _background: set[asyncio.Task[Any]] = set()
 
-__all__ = ["Settle", "TurnContext", "greedy_single", "in_background", "relay_once",
-           "relay_stream"]
+__all__ = ["Settle", "TurnContext", "greedy_single", "in_background", "relay_events",
+           "relay_once", "relay_stream"]
 
 
 def in_background(work: Awaitable[Any]) -> None:
@@ -53,6 +54,7 @@ class TurnContext:
     decode_sent_unix_s: float = 0.0  # when the decode leg was sent (router clock)
     # Prefill's token, streamed before decode's first step (then decode's copy is dropped).
     first: FirstToken | None = None
+    api: Api = field(default_factory=lambda: api_for("/v1/chat/completions"))
     # Filled while relaying: the sequence D now holds KV for.
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
@@ -98,12 +100,16 @@ async def relay_once(ctx: TurnContext, settle: Settle, clock: Clock) -> Response
         decode.inflight -= 1
         await ctx.upstream.aclose()
     data = json_or_502(raw, decode)
-    choice = (data.get("choices") or [{}])[0]
-    ctx.output_ids = list(choice.get("token_ids") or [])
-    ctx.prompt_ids = prompt_ids(data)
+    if ctx.api.token_ids_in_answer:
+        choice = (data.get("choices") or [{}])[0]
+        ctx.output_ids = list(choice.get("token_ids") or [])
+        ctx.prompt_ids = prompt_ids(data)
     _complete(record, ctx, clock)
     await settle(ctx, data.get("kv_transfer_params"))
-    data["kv_transfer_params"] = None
+    if ctx.api.shows_null_kv_params:
+        data["kv_transfer_params"] = None
+    else:
+        data.pop("kv_transfer_params", None)
     if not ctx.wants_token_ids:
         _strip_token_ids(data)
     return JSONResponse(data, headers=ctx.headers)
@@ -216,6 +222,74 @@ def relay_stream(
     return _Stream(relay(), media_type="text/event-stream", headers=ctx.headers)
 
 
+def relay_events(
+    ctx: TurnContext, settle: Settle, fetch_handle: Callable[[], Awaitable[dict[str, Any] | None]],
+    clock: Clock, metrics: RouterMetrics,
+    release_unsettled: Callable[[], Awaitable[Any]] | None = None,
+) -> Response:
+    """Pass through a stream of named SSE events (Responses, Messages) frame by frame, as D
+    wrote them; the turn is settled before the API's last event (``response.completed``,
+    ``message_stop``) goes out, since SDKs stop reading there. Otherwise as
+    :func:`relay_stream`."""
+    conv, held, record, decode, upstream = ctx.conv, ctx.held, ctx.record, ctx.decode, ctx.upstream
+    api = ctx.api
+    finished = settled = False
+
+    def done() -> None:
+        nonlocal finished
+        if finished:
+            return
+        finished = True
+        decode.inflight -= 1
+        if not settled and release_unsettled is not None:
+            in_background(release_unsettled())
+        if conv is not None and held is not None:
+            if not any(t is record for t in conv.turns):
+                conv.add_turn(record)
+            held.commit_soon()
+
+    async def relay() -> AsyncIterator[bytes]:
+        nonlocal settled
+        frame: list[str] = []
+        name = ""
+        sequence = 0  # the Responses events' sequence_number, for an error event
+        try:
+            async for line in _lines_or_error(upstream, decode, api, sequence_of=lambda: sequence):
+                if line:
+                    if line.startswith("event:"):
+                        name = line[6:].strip()
+                    frame.append(line)
+                    continue
+                if not frame:
+                    continue
+                if name in api.delta_events and record.timings.decode_first_token_s is None:
+                    now = clock.now_unix_s()
+                    record.timings.decode_first_token_s = now - ctx.decode_sent_unix_s
+                    record.ttft_s = now - record.started_unix_s
+                    metrics.ttft_s.observe(record.ttft_s)
+                if name in api.terminal_events and not settled:
+                    _complete(record, ctx, clock)
+                    settled = True
+                    await settle(ctx, await fetch_handle())
+                sequence += 1
+                yield ("\n".join(frame) + "\n\n").encode()
+                frame, name = [], ""
+            if frame:
+                yield ("\n".join(frame) + "\n\n").encode()
+        finally:
+            done()
+            await upstream.aclose()
+
+    class _Stream(StreamingResponse):
+        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                done()
+
+    return _Stream(relay(), media_type="text/event-stream", headers=ctx.headers)
+
+
 def _event(chunk: dict[str, Any]) -> bytes:
     return ("data: " + json.dumps(chunk, separators=(",", ":")) + "\n\n").encode()
 
@@ -279,21 +353,37 @@ def _empty(chunk: dict[str, Any]) -> bool:
             and not chunk.get("usage"))
 
 
-async def _lines_or_error(upstream: httpx.Response, decode: Backend) -> AsyncIterator[str]:
-    """D's SSE lines; if D fails mid-stream, one OpenAI-style error event ends the stream.
+async def _lines_or_error(
+    upstream: httpx.Response, decode: Backend, api: Api | None = None,
+    sequence_of: Callable[[], int] = lambda: 0,
+) -> AsyncIterator[str]:
+    """D's SSE lines; if D fails mid-stream, one error event in the API's own shape ends the
+    stream.
 
-    The status (200) went out with the first chunk, so the error travels as an SSE event, the
-    shape the OpenAI SDK raises ``APIError`` for; no ``[DONE]`` follows, and nothing is
-    retained for this turn.
+    The status (200) went out with the first chunk, so the error travels as an SSE event: for
+    chat and completions the shape the OpenAI SDK raises ``APIError`` for (no ``[DONE]``
+    follows), for Responses an ``error`` event, for Messages Anthropic's ``error`` event.
+    Nothing is retained for this turn.
     """
     try:
         async for line in upstream.aiter_lines():
             yield line
     except httpx.HTTPError as exc:
         logger.warning("decode %s failed mid-stream: %r", decode.name, exc)
-        body = p.error_body(f"decode instance {decode.name} failed while streaming the answer; "
-                            "retry the request", "upstream_error", code="upstream_unavailable")
+        message = (f"decode instance {decode.name} failed while streaming the answer; "
+                   "retry the request")
+        if api is not None and api.anthropic_errors:
+            body: dict[str, Any] = anthropic_error_body(502, message)
+        elif api is not None and api.named_events:
+            body = {"type": "error", "code": "upstream_unavailable", "message": message,
+                    "param": None, "sequence_number": sequence_of()}
+        else:
+            body = p.error_body(message, "upstream_error", code="upstream_unavailable")
+        if api is not None and api.named_events:
+            yield "event: error"
         yield "data: " + json.dumps(body, separators=(",", ":"))
+        if api is not None and api.named_events:
+            yield ""
 
 
 def _complete(record: p.TurnRecord, ctx: TurnContext, clock: Clock) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtether.protocol import (
+    KV_PARAM_BLOCK_HASHES,
     MissCause,
     ReuseOutcome,
     common_prefix_tokens,
@@ -49,7 +50,11 @@ def plan_reuse(
     recompute_threshold_tokens: int,
     safety_margin_s: float,
     now_unix_s: float | None = None,
+    checked_by_prefill: bool = False,
 ) -> ReusePlan:
+    """``checked_by_prefill``: the prompt's tokens are unknown here (an API vLLM cannot
+    tokenize for the router), so the handle goes whole and prefill's connector checks the
+    prompt against its block hashes, reading only the whole blocks that match."""
     now = time.time() if now_unix_s is None else now_unix_s
     retained: RetainedKV | None = conv.retained
     if retained is None:
@@ -59,6 +64,10 @@ def plan_reuse(
         return ReusePlan(None, 0, cause)
     if retained.lease_deadline_unix_s - safety_margin_s <= now:
         return ReusePlan(None, 0, MissCause.LEASE_EXPIRED)
+    if prompt_token_ids is None and checked_by_prefill and KV_PARAM_BLOCK_HASHES in retained.params:
+        if retained.retained_tokens < recompute_threshold_tokens:
+            return ReusePlan(None, 0, MissCause.BELOW_THRESHOLD)
+        return ReusePlan(copy.deepcopy(retained.params), retained.retained_tokens, None)
     if prompt_token_ids is None:
         # Could not see the prompt's tokens: reading would be a guess, so don't.
         return ReusePlan(None, 0, MissCause.PREFIX_BREAK)

@@ -21,6 +21,7 @@ from kvtether import protocol as p
 from kvtether.router import legs
 from kvtether.router._deps import RouterDeps
 from kvtether.router._errors import RouterHTTPError
+from kvtether.router.apis import Api, api_for
 from kvtether.router.backends import Backend
 from kvtether.router.conversations import (
     Conversation,
@@ -35,6 +36,7 @@ from kvtether.router.relay import (
     TurnContext,
     greedy_single,
     in_background,
+    relay_events,
     relay_once,
     relay_stream,
 )
@@ -48,20 +50,25 @@ __all__ = ["TurnRequest", "TurnRunner"]
 
 @dataclass
 class TurnRequest:
-    endpoint: str  # "/v1/chat/completions" | "/v1/completions"
+    endpoint: str  # one of apis.API_PATHS
     body: dict[str, Any]  # kvtether fields already stripped
     conversation_id: str | None
     hints: p.TurnHints | None
     request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     tenant: str = ""  # whose conversation this is (router.access)
+    parent_id: str | None = None  # the conversation this one was spawned from (router.identity)
 
     @property
     def stream(self) -> bool:
         return bool(self.body.get("stream"))
 
     @property
+    def api(self) -> Api:
+        return api_for(self.endpoint)
+
+    @property
     def wants_token_ids(self) -> bool:
-        return bool(self.body.get("return_token_ids"))
+        return self.api.token_ids_in_answer and bool(self.body.get("return_token_ids"))
 
 
 class TurnRunner:
@@ -93,6 +100,8 @@ class TurnRunner:
                            exc, req.conversation_id)
             self.deps.metrics.store_unavailable.inc()
             return await self._run_locked(req, None, received, store_down=True)
+        if req.parent_id is not None and held.conv.parent_id is None:
+            held.conv.parent_id = req.parent_id
         try:
             response = await self._run_locked(req, held, received)
         except BaseException:
@@ -185,9 +194,13 @@ class TurnRunner:
         # Decode alone (no prefill leg) keeps nothing: vLLM retains only a P/D request's KV.
         handle_key = uuid.uuid4().hex if kvtether and leg is not None else None
         body = dict(req.body)
-        body["return_token_ids"] = True
+        if req.api.token_ids_in_answer:
+            body["return_token_ids"] = True
         if leg is not None:
             body["kv_transfer_params"] = dict(leg.params)
+            if not req.api.token_ids_in_answer:
+                # D reports the sequence it retains (this API's answer carries no token ids).
+                body["kv_transfer_params"][p.KV_PARAM_REPORT_TOKEN_IDS] = True
         if handle_key is not None:
             # Only the kvtether connector reads these: the lease D holds this turn's KV under.
             body["kv_transfer_params"].update({
@@ -237,9 +250,12 @@ class TurnRunner:
             handle_key=handle_key if decode.control_url else None,
             wants_token_ids=req.wants_token_ids,
             decode_sent_unix_s=decode_sent,
+            api=req.api,
             first=(leg.first if leg is not None and req.stream and self.s.relay_prefill_token
                    and greedy_single(req.body) else None),
         )
+        if not req.api.token_ids_in_answer and leg is not None:
+            ctx.prompt_ids = list(leg.prompt_token_ids)  # D's report replaces these, if any
 
         async def settle(ctx: TurnContext, handle: dict[str, Any] | None) -> None:
             await self._settle(ctx, handle, req.hints)
@@ -256,7 +272,8 @@ class TurnRunner:
         if req.stream:
             fetch = ((lambda: self.deps.leases.fetch_handle(decode, ctx.handle_key))
                      if kvtether else no_handle)
-            return relay_stream(
+            relay = relay_events if req.api.named_events else relay_stream
+            return relay(
                 ctx, settle, fetch, self.deps.clock, self.deps.metrics,
                 release_unsettled=lambda: self.deps.leases.release(decode, ctx.handle_key),
             )
@@ -312,7 +329,11 @@ class TurnRunner:
             if holder is None or not holder.available:
                 self.retention.take(conv)
                 conv.gone_cause = p.MissCause.DECODE_UNAVAILABLE
-        if conv.retained is not None:
+        if conv.retained is not None and not req.api.token_ids_in_answer:
+            # Responses / Messages: vLLM has no /tokenize for these; prefill's connector checks
+            # the prompt against the handle's block hashes and reads only what matches.
+            await self.retention.extend_for_handoff(conv)
+        elif conv.retained is not None:
             prompt_ids, _ = await asyncio.gather(
                 legs.tokenize(prefill, req.endpoint, req.body),
                 self.retention.extend_for_handoff(conv),
@@ -326,6 +347,7 @@ class TurnRunner:
             recompute_threshold_tokens=self.s.kv_recompute_threshold_tokens,
             safety_margin_s=self.s.lease_safety_margin_s,
             now_unix_s=self.deps.clock.now_unix_s(),
+            checked_by_prefill=not req.api.token_ids_in_answer,
         )
 
     def _initial_lease_s(self, h: p.TurnHints | None) -> float:
@@ -343,6 +365,10 @@ class TurnRunner:
         """Record the finished turn and keep (or free) what D retained for the next one."""
         conv, decode = ctx.conv, ctx.decode
         ctx.record.timings.decode = legs.engine_timings(handle)
+        reported = legs.reported_token_ids(handle)
+        if reported is not None:
+            ctx.prompt_ids, ctx.output_ids = reported
+            ctx.record.output_tokens = len(ctx.output_ids)
         self.deps.metrics.observe_stages(ctx.record.timings)
         if conv is None:
             # Nobody can ask for this KV again.

@@ -1,0 +1,268 @@
+"""Responses and Messages through the router on real vLLM P/D (tiny model), with the official
+SDKs: turn 2+ reuse decode's KV and every answer equals the colocated reference's (greedy).
+
+Also a coding-agent-shaped replay: a main agent and two parallel subagents under one Claude
+Code session id, over ``/v1/messages``, with Claude Code's own headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import tomllib
+import uuid
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+SYSTEM = "you are a careful coding agent that reads files and runs tests. " * 8
+TOOL_OUTPUT = "ok tests run result found file path value true " * 3
+
+
+def _release(stack, cid: str) -> None:
+    httpx.delete(f"{stack.base_url}/v1/sessions/{cid}", timeout=60)
+
+
+def _records(stack, cid: str) -> list[dict]:
+    r = httpx.get(f"{stack.base_url}/v1/sessions/{cid}", timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["turns"]
+
+
+# ------------------------------------------------------------------ Responses
+def _responses_client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
+                         timeout=600)
+
+
+def _respond(client: openai.OpenAI, model: str, items: list, *, stream: bool,
+             cid: str | None) -> tuple[dict, str, list[str]]:
+    """One Responses turn: (headers, output text, event types)."""
+    headers = {"X-Conversation-Id": cid} if cid else {}
+    kwargs = dict(model=model, input=items, max_output_tokens=12, temperature=0, store=False,
+                  extra_headers=headers)
+    if not stream:
+        raw = client.responses.with_raw_response.create(**kwargs)
+        return dict(raw.headers), raw.parse().output_text, []
+    raw = client.responses.with_raw_response.create(stream=True, **kwargs)
+    text, types = "", []
+    for event in raw.parse():
+        types.append(event.type)
+        if event.type == "response.output_text.delta":
+            text += event.delta
+    return dict(raw.headers), text, types
+
+
+def _runs(types: list[str]) -> list[str]:
+    return [t for i, t in enumerate(types) if i == 0 or types[i - 1] != t]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_turns_fire_and_match_reference(pd_stack, reference_vllm, stream):
+    router = _responses_client(pd_stack.base_url)
+    reference = _responses_client(reference_vllm.base_url)
+    cid = f"responses-{uuid.uuid4().hex[:8]}"
+    items: list = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "please read the files and run the tests then tell me"},
+    ]
+    try:
+        for turn in range(1, 5):
+            headers, text, types = _respond(router, pd_stack.model, items, stream=stream, cid=cid)
+            _, ref_text, ref_types = _respond(reference, pd_stack.model, items, stream=stream,
+                                              cid=None)
+            assert text == ref_text, (turn, text, ref_text)
+            # The event sequence is vLLM's own (how many deltas carry the text depends on
+            # timing, so runs of one event type count once).
+            assert _runs(types) == _runs(ref_types)
+            if stream:
+                assert types[-1] == "response.completed"
+            expected = "miss:first_turn" if turn == 1 else "fired"
+            assert headers["x-kvtether-reuse"] == expected, (turn, headers)
+            items += [{"role": "assistant", "content": text},
+                      {"role": "user", "content": f"{TOOL_OUTPUT} (step {turn})"}]
+        records = _records(pd_stack, cid)
+        assert [r["outcome"] for r in records[1:]] == ["fired"] * 3
+        assert all(r["output_tokens"] > 0 for r in records)
+    finally:
+        _release(pd_stack, cid)
+
+
+def test_stateful_responses_are_refused_with_a_clear_400(pd_stack):
+    client = _responses_client(pd_stack.base_url)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=pd_stack.model, input="hi", previous_response_id="resp_1")
+    assert err.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    assert "stateless" in err.value.message
+
+
+# ------------------------------------------------------------------ Messages
+def _anthropic(base_url: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+
+
+def _message(client: anthropic.Anthropic, model: str, msgs: list, *, stream: bool,
+             headers: dict[str, str]) -> tuple[dict, str]:
+    kwargs = dict(model=model, system=SYSTEM, messages=msgs, max_tokens=12,
+                  extra_body={"temperature": 0}, extra_headers=headers)
+    if not stream:
+        raw = client.messages.with_raw_response.create(**kwargs)
+        message = raw.parse()
+        return dict(raw.headers), "".join(b.text for b in message.content if b.type == "text")
+    with client.messages.stream(**kwargs) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+        assert final.stop_reason in ("max_tokens", "end_turn")
+        return dict(s.response.headers), text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_turns_fire_and_match_reference(pd_stack, reference_vllm, stream):
+    router = _anthropic(pd_stack.base_url)
+    reference = _anthropic(reference_vllm.base_url)
+    session = f"cc-{uuid.uuid4().hex[:8]}"
+    msgs: list = [{"role": "user", "content": "please read the files and run the tests"}]
+    try:
+        for turn in range(1, 5):
+            headers, text = _message(router, pd_stack.model, msgs, stream=stream,
+                                     headers={"X-Claude-Code-Session-Id": session})
+            _, ref_text = _message(reference, pd_stack.model, msgs, stream=stream, headers={})
+            assert text == ref_text, (turn, text, ref_text)
+            expected = "miss:first_turn" if turn == 1 else "fired"
+            assert headers["x-kvtether-reuse"] == expected, (turn, headers)
+            assert headers["x-conversation-id"] == session
+            msgs += [{"role": "assistant", "content": text or "."},
+                     {"role": "user", "content": f"{TOOL_OUTPUT} (step {turn})"}]
+    finally:
+        _release(pd_stack, session)
+
+
+def test_messages_errors_have_anthropics_shape(pd_stack):
+    client = _anthropic(pd_stack.base_url)
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(model=pd_stack.model, max_tokens=5,
+                               messages=[{"role": "robot", "content": "hi"}])  # type: ignore[list-item]
+    assert err.value.body["type"] == "error"  # type: ignore[index]
+    assert err.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    # vLLM's own refusal (an unknown model) comes back in Anthropic's shape too.
+    with pytest.raises(anthropic.NotFoundError) as err:
+        client.messages.create(model="no-such-model", max_tokens=5,
+                               messages=[{"role": "user", "content": "hi"}])
+    assert err.value.body["type"] == "error"  # type: ignore[index]
+    assert httpx.get(f"{pd_stack.base_url}/health", timeout=30).status_code == 200
+
+
+# ------------------------------------------------------------------ a coding agent's session
+async def _agent(client: anthropic.AsyncAnthropic, reference: anthropic.AsyncAnthropic,
+                 model: str, system: str, msgs: list, headers: dict[str, str],
+                 turns: int) -> list[tuple[str, str, str]]:
+    """One agent's loop, extending ``msgs``: (reuse header, text, reference text) a turn."""
+    out = []
+    for step in range(turns):
+        kwargs = dict(model=model, system=system, max_tokens=10,
+                      extra_body={"temperature": 0})
+        raw = await client.messages.with_raw_response.create(messages=msgs, extra_headers=headers,
+                                                             **kwargs)
+        message = await raw.parse()
+        text = "".join(b.text for b in message.content if b.type == "text")
+        ref = await reference.messages.create(messages=msgs, **kwargs)
+        ref_text = "".join(b.text for b in ref.content if b.type == "text")
+        out.append((raw.headers["x-kvtether-reuse"], text, ref_text))
+        msgs += [{"role": "assistant", "content": text or "."},
+                 {"role": "user", "content": f"{TOOL_OUTPUT} (tool {step})"}]
+    return out
+
+
+def test_a_coding_agent_session_with_parallel_subagents(pd_stack, reference_vllm):
+    """Claude Code's shape: the main agent, then two subagents in parallel under the same
+    session id (each with its own system prompt and agent id), then the main agent again."""
+    session = f"cc-{uuid.uuid4().hex[:8]}"
+    base = {"X-Claude-Code-Session-Id": session}
+
+    async def run() -> dict[str, list[tuple[str, str, str]]]:
+        client = anthropic.AsyncAnthropic(base_url=pd_stack.base_url, api_key="unused",
+                                          max_retries=0, timeout=600)
+        reference = anthropic.AsyncAnthropic(base_url=reference_vllm.base_url, api_key="unused",
+                                             max_retries=0, timeout=600)
+        model = pd_stack.model
+        history: list = [{"role": "user", "content": "plan the refactor"}]
+        main = await _agent(client, reference, model, SYSTEM, history, base, 2)
+        subs = await asyncio.gather(*(
+            _agent(client, reference, model, f"you are subagent {name}. " * 10,
+                   [{"role": "user", "content": f"search the code for {name}"}],
+                   {**base, "X-Claude-Code-Agent-Id": name}, 3)
+            for name in ("explore-a", "explore-b")
+        ))
+        main += await _agent(client, reference, model, SYSTEM, history, base, 2)
+        return {"main": main, "explore-a": subs[0], "explore-b": subs[1]}
+
+    try:
+        results = asyncio.run(run())
+        for agent, turns in results.items():
+            for i, (_, text, ref_text) in enumerate(turns):
+                assert text == ref_text, (agent, i, text, ref_text)
+        for name in ("explore-a", "explore-b"):
+            assert [t[0] for t in results[name]] == ["miss:first_turn", "fired", "fired"]
+            status = httpx.get(f"{pd_stack.base_url}/v1/sessions/{session}:agent:{name}",
+                               timeout=30).json()
+            assert status["parent_id"] == session
+            assert all("prefix_break" not in r["outcome"] for r in status["turns"])
+        # The main agent picks up where it left off while its subagents ran.
+        assert [t[0] for t in results["main"]] == ["miss:first_turn"] + ["fired"] * 3
+    finally:
+        _release(pd_stack, session)
+        for name in ("explore-a", "explore-b"):
+            _release(pd_stack, f"{session}:agent:{name}")
+
+
+# ------------------------------------------------------------------ the README runs as written
+def _readme_section(title: str) -> dict[str, list[str]]:
+    """The code blocks of one README section, by language."""
+    text = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    section = text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+    blocks: dict[str, list[str]] = {}
+    for lang, code in re.findall(r"```(\w+)\n(.*?)```", section, flags=re.S):
+        blocks.setdefault(lang, []).append(code)
+    return blocks
+
+
+def _json_values(text: str) -> list:
+    """The JSON values curl printed one after another (without newlines between them)."""
+    decoder, values, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        if text[i].isspace():
+            i += 1
+            continue
+        value, i = decoder.raw_decode(text, i)
+        values.append(value)
+    return values
+
+
+def test_the_readme_coding_agent_section_runs_as_written(pd_stack):
+    blocks = _readme_section("Point a coding agent at kvtether")
+    codex = tomllib.loads(blocks["toml"][0])
+    provider = codex["model_providers"][codex["model_provider"]]
+    assert provider["wire_api"] == "responses" and provider["base_url"].endswith("/v1")
+    opencode = json.loads(blocks["json"][0])
+    assert opencode["provider"]["kvtether"]["options"]["baseURL"] == provider["base_url"]
+    # The curl lines, against this test's stack (its port and model).
+    host = pd_stack.base_url.removeprefix("http://")
+    script = blocks["bash"][0].replace("localhost:8000", host).replace('"smol"',
+                                                                       f'"{pd_stack.model}"')
+    try:
+        out = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True,
+                             text=True, timeout=600, check=True).stdout
+        *answers, status = _json_values(out)
+        assert all(a["type"] == "message" for a in answers)
+        assert status["conversation_id"] == "cc-1:agent:explore"
+        assert status["parent_id"] == "cc-1" and status["turn_count"] == 1
+    finally:
+        _release(pd_stack, "cc-1")
+        _release(pd_stack, "cc-1:agent:explore")
