@@ -170,6 +170,7 @@ def test_the_contract_s_public_names_are_pinned() -> None:
     assert sorted(p.__all__) == [
         "BODY_CONVERSATION_ID",
         "BODY_HINTS",
+        "BranchStatus",
         "CONTROL_API_PREFIX",
         "CONTROL_SECRET_ENV",
         "CONVERSATION_ID_CHARACTERS",

@@ -266,3 +266,44 @@ def test_the_readme_coding_agent_section_runs_as_written(pd_stack):
     finally:
         _release(pd_stack, "cc-1")
         _release(pd_stack, "cc-1:agent:explore")
+
+
+# ------------------------------------------------------------------ branches of one conversation
+def test_parallel_workers_under_one_conversation_id_run_on_their_own_branches(
+    pd_stack, reference_vllm
+):
+    """A supervisor fans out to two workers that share its thread id (one conversation):
+    each worker's turns go to its own branch, in parallel, and reuse its own KV."""
+    cid = f"fanout-{uuid.uuid4().hex[:8]}"
+
+    async def worker(n: int, client: httpx.AsyncClient) -> list[tuple[str, str, str]]:
+        msgs = [{"role": "system", "content": f"you are worker {n}. do the task. " * 10},
+                {"role": "user", "content": f"task {n}: read the files"}]
+        out = []
+        for step in range(3):
+            body = {"model": pd_stack.model, "messages": msgs, "max_tokens": 8,
+                    "temperature": 0}
+            r = await client.post(f"{pd_stack.base_url}/v1/chat/completions", json=body,
+                                  headers={"X-Conversation-Id": cid})
+            assert r.status_code == 200, r.text  # never 409: the branches run side by side
+            ref = await client.post(f"{reference_vllm.base_url}/v1/chat/completions", json=body)
+            text = r.json()["choices"][0]["message"]["content"] or "."
+            out.append((r.headers["x-kvtether-reuse"], text,
+                        ref.json()["choices"][0]["message"]["content"] or "."))
+            msgs += [{"role": "assistant", "content": text},
+                     {"role": "user", "content": f"{TOOL_OUTPUT} (step {step})"}]
+        return out
+
+    async def run() -> list[list[tuple[str, str, str]]]:
+        async with httpx.AsyncClient(timeout=600) as client:
+            return list(await asyncio.gather(worker(1, client), worker(2, client)))
+
+    try:
+        for turns in asyncio.run(run()):
+            assert all(text == ref for _, text, ref in turns), turns
+            assert [t[0] for t in turns][1:] == ["fired", "fired"]
+        status = httpx.get(f"{pd_stack.base_url}/v1/sessions/{cid}", timeout=30).json()
+        assert len(status["branches"]) == 1
+        assert status["turn_count"] + status["branches"][0]["turn_count"] == 6
+    finally:
+        _release(pd_stack, cid)

@@ -13,7 +13,8 @@ from tests.support.router_harness import make_router
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_same_conversation_turns_are_serialised(stream: bool) -> None:
-    async with make_router(control=True, fake={"delay_s": 0.05}) as h:
+    # One sequence per conversation (branches: tests/router/test_branches.py).
+    async with make_router(control=True, fake={"delay_s": 0.05}, max_branches=1) as h:
         a = h.conversation("dup")
         first = await a.say("hello")
         messages = a.messages + [{"role": "user", "content": "go"}]

@@ -123,9 +123,15 @@ async def test_short_prefix_below_threshold_not_forwarded() -> None:
         h.assert_kv_correct()
 
 
-async def test_unforwarded_handle_is_released_when_replaced(hc: Harness) -> None:
+async def test_unforwarded_handle_is_released_when_replaced() -> None:
     """A retained handle the turn does not forward (prefix break with nothing salvaged,
-    below threshold, lease near expiry) is released on D, and its accounting undone."""
+    below threshold, lease near expiry) is released on D, and its accounting undone (with one
+    sequence per conversation; branches keep it: tests/router/test_branches.py)."""
+    async with make_router(control=True, max_branches=1) as hc:
+        await _unforwarded_handle_is_released(hc)
+
+
+async def _unforwarded_handle_is_released(hc: Harness) -> None:
     a = await three_turns(hc, "leak")
     old_key = hc.d.decode_params[-1][p.KV_PARAM_HANDLE_KEY]
     a.messages[0]["content"] = "Completely different system prompt."

@@ -97,7 +97,7 @@ async def test_release_while_the_other_replica_runs_a_turn(redis_server: RedisSe
 
 
 async def test_racing_turns_one_waits_or_is_refused(redis_server: RedisServer) -> None:
-    async with two_replicas(redis_server.url, store_lock_wait_s=0) as (a, b):
+    async with two_replicas(redis_server.url, store_lock_wait_s=0, max_branches=1) as (a, b):
         agent = a.conversation("race")
         await agent.say("one")
         history = agent.messages + [{"role": "user", "content": "go"}]
@@ -109,7 +109,7 @@ async def test_racing_turns_one_waits_or_is_refused(redis_server: RedisServer) -
         assert refused.body["error"]["code"] == "conversation_busy"
         gate.set()
         assert (await first).outcome == "fired"
-    async with two_replicas(redis_server.url) as (a, b):
+    async with two_replicas(redis_server.url, max_branches=1) as (a, b):
         agent = a.conversation("race2")
         await agent.say("one")
         history = agent.messages + [{"role": "user", "content": "go"}]

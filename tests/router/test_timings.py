@@ -49,7 +49,7 @@ async def test_each_turn_records_where_its_time_went(stream: bool) -> None:
 
 async def test_a_turn_that_waits_for_its_conversation_says_so() -> None:
     fake = {"kvtether_connector": True, "delay_s": 0.3}
-    async with make_router(control=True, fake=fake) as h:
+    async with make_router(control=True, fake=fake, max_branches=1) as h:
         first = h.chat([{"role": "user", "content": "a " * 30}], conv="busy")
         second = h.chat([{"role": "user", "content": "b " * 30}], conv="busy")
         await asyncio.gather(first, second)

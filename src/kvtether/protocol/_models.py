@@ -169,6 +169,18 @@ class TurnRecord(BaseModel):
                                   str(self.reusable_tokens))
 
 
+class BranchStatus(BaseModel):
+    """One more branch of a conversation (a sequence besides its main one), in
+    ``SessionStatus.branches``."""
+
+    conversation_id: str  # ``<id>~b<k>``: GET /v1/sessions/{it} shows its turns
+    decode_instance: str | None
+    retained_tokens: int
+    lease_state: Literal["active", "none", "expired", "released", "evicted"]
+    turn_count: int = 0
+    fired_turns: int = 0
+
+
 class SessionStatus(BaseModel):
     """Body of ``GET /v1/sessions/{id}``."""
 
@@ -187,3 +199,6 @@ class SessionStatus(BaseModel):
     fired_turns: int = 0
     prompt_tokens_total: int = 0
     reused_tokens_total: int = 0
+    # The conversation's other live sequences (a subagent or a parallel branch sharing its
+    # id, a retry that diverged early); this body's own fields are branch 0's.
+    branches: list[BranchStatus] = Field(default_factory=list)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -18,6 +19,7 @@ from kvtether._validation import first_field_error
 from kvtether.router._deps import RouterDeps
 from kvtether.router._errors import RouterHTTPError
 from kvtether.router.access import tenant_of
+from kvtether.router.branches import branch_ids, is_branch_id
 from kvtether.router.conversations import Conversation, HeldConversation, StoreError
 from kvtether.router.retention import RenewOutcome, Retention
 
@@ -58,9 +60,19 @@ class SessionAPI:
                      "(turns are still answered, without KV reuse)", code="store_unavailable",
             ) from None
 
-    async def _hold(self, request: Request, *, release_after_turn: bool = False,
-                    ) -> HeldConversation:
+    async def _branches(self, request: Request) -> list[str]:
+        """The conversation's other branches that exist (:mod:`.branches`), by id."""
         cid = request.path_params["conversation_id"]
+        if self.s.max_branches <= 1 or is_branch_id(cid):
+            return []
+        ids = branch_ids(cid, self.s.max_branches)[1:]
+        tenant = tenant_of(request)
+        views = await self._store(asyncio.gather(*(self.store.read(b, tenant) for b in ids)))
+        return [b for b, v in zip(ids, views, strict=True) if v is not None]
+
+    async def _hold(self, request: Request, *, release_after_turn: bool = False,
+                    cid: str | None = None) -> HeldConversation:
+        cid = cid or request.path_params["conversation_id"]
         # Another tenant's conversation is not found: same answer as an id never used.
         held = await self._store(self.store.try_lock(
             cid, tenant_of(request), release_after_turn=release_after_turn))
@@ -73,7 +85,18 @@ class SessionAPI:
         conv = await self._store(self.store.read(cid, tenant_of(request)))
         if conv is None:
             raise _unknown(cid)
-        return JSONResponse(conv.status(self.clock.now_unix_s()).model_dump(mode="json"))
+        now = self.clock.now_unix_s()
+        status = conv.status(now)
+        for bid in await self._branches(request):
+            branch = await self._store(self.store.read(bid, tenant_of(request)))
+            if branch is not None:
+                b = branch.status(now)
+                status.branches.append(p.BranchStatus(
+                    conversation_id=bid, decode_instance=b.decode_instance,
+                    retained_tokens=b.retained_tokens, lease_state=b.lease_state,
+                    turn_count=b.turn_count, fired_turns=b.fired_turns,
+                ))
+        return JSONResponse(status.model_dump(mode="json"))
 
     def _require_leases(self, cid: str, what: str) -> None:
         if self.s.reuse_policy != "kvtether":
@@ -95,6 +118,12 @@ class SessionAPI:
             freed = await self.retention.release_by_client(held)
         finally:
             await self._store(held.commit())
+        for bid in await self._branches(request):  # every branch of the conversation
+            branch = await self._hold(request, release_after_turn=True, cid=bid)
+            try:
+                freed += await self.retention.release_by_client(branch)
+            finally:
+                await self._store(branch.commit())
         return JSONResponse(
             {"conversation_id": cid, "released": True, "retained_tokens_freed": freed}
         )
@@ -107,9 +136,23 @@ class SessionAPI:
                 raise _unknown(cid)
             self._require_leases(cid, "renew the lease of")
         raw = await request.body()
+        renewed: Response | None = None
+        for bid in await self._branches(request):  # every branch's lease, best effort
+            branch = await self._hold(request, cid=bid)
+            try:
+                renewed = await self._beat(branch, raw, t0)
+            except RouterHTTPError as exc:
+                if exc.status == 400:
+                    raise
+            finally:
+                await self._store(branch.commit())
         held = await self._hold(request)
         try:
             return await self._beat(held, raw, t0)
+        except RouterHTTPError as exc:
+            if exc.status == 410 and renewed is not None:
+                return renewed  # the main branch holds nothing, another branch does
+            raise
         finally:
             await self._store(held.commit())
 

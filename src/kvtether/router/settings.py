@@ -80,6 +80,12 @@ class RetentionSettings(BaseModel):
         "instances; past it the tenant's least recently used retained KV is released "
         "(null: no cap)",
     )
+    max_branches: int = Field(
+        default=4, ge=1, le=64,
+        description="live sequences (branches) per conversation: a turn whose conversation is "
+        "busy, or whose prompt shares less than half of every branch's KV, opens another "
+        "branch instead of waiting or consuming that KV (1: one sequence per conversation)",
+    )
 
 
 class AccessSettings(BaseModel):

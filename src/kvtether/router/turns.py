@@ -23,6 +23,7 @@ from kvtether.router._deps import RouterDeps
 from kvtether.router._errors import RouterHTTPError
 from kvtether.router.apis import Api, api_for
 from kvtether.router.backends import Backend
+from kvtether.router.branches import hold_branch
 from kvtether.router.conversations import (
     Conversation,
     ConversationBusyError,
@@ -57,6 +58,7 @@ class TurnRequest:
     request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     tenant: str = ""  # whose conversation this is (router.access)
     parent_id: str | None = None  # the conversation this one was spawned from (router.identity)
+    prompt_ids: list[int] | None = None  # tokenized already (while choosing a branch)
 
     @property
     def stream(self) -> bool:
@@ -84,9 +86,7 @@ class TurnRunner:
         if not req.conversation_id:
             return await self._run_locked(req, None, received)
         try:
-            held = await self.deps.store.lock(
-                req.conversation_id, req.tenant, wait_s=self.s.store_lock_wait_s
-            )
+            held = await self._hold(req)
         except ConversationBusyError:
             raise RouterHTTPError(
                 409, f"conversation {req.conversation_id!r} has a turn in flight (on this or "
@@ -112,6 +112,31 @@ class TurnRunner:
             return response
         await self._commit(held)
         return response
+
+    async def _hold(self, req: TurnRequest) -> HeldConversation:
+        """The conversation's branch this turn continues (:mod:`.branches`), held."""
+        assert req.conversation_id is not None
+        if self.s.max_branches <= 1 or self.s.reuse_policy != "kvtether":
+            return await self.deps.store.lock(req.conversation_id, req.tenant,
+                                              wait_s=self.s.store_lock_wait_s)
+        # Any prefill instance tokenizes alike; picking one must not move the legs' round robin.
+        prefill = next((b for b in self.pool.prefill if b.available), None)
+
+        async def tokenize() -> list[int] | None:
+            if prefill is None:
+                return None
+            try:
+                return await legs.tokenize(prefill, req.endpoint, req.body)
+            except RouterHTTPError:
+                return None  # the prefill leg meets (and reports) the same problem
+
+        choice = await hold_branch(
+            self.deps.store, req.conversation_id, req.tenant,
+            max_branches=self.s.max_branches, wait_s=self.s.store_lock_wait_s,
+            tokenize=tokenize if req.api.token_ids_in_answer else None,
+        )
+        req.prompt_ids = choice.prompt_ids
+        return choice.held
 
     async def _commit(self, held: HeldConversation) -> None:
         """Save the conversation and let it go; free its KV if a release came meanwhile."""
@@ -332,6 +357,9 @@ class TurnRunner:
         if conv.retained is not None and not req.api.token_ids_in_answer:
             # Responses / Messages: vLLM has no /tokenize for these; prefill's connector checks
             # the prompt against the handle's block hashes and reads only what matches.
+            await self.retention.extend_for_handoff(conv)
+        elif conv.retained is not None and req.prompt_ids is not None:
+            prompt_ids = req.prompt_ids
             await self.retention.extend_for_handoff(conv)
         elif conv.retained is not None:
             prompt_ids, _ = await asyncio.gather(
