@@ -9,7 +9,13 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from kvtether.protocol import HEADER_CONVERSATION_ID, HEADER_HINTS, Phase, parse_hints_header
+from kvtether.protocol import (
+    HEADER_CONVERSATION_ID,
+    HEADER_HINTS,
+    HEADER_PARENT_CONVERSATION_ID,
+    Phase,
+    parse_hints_header,
+)
 from kvtether.session import AsyncSession, Session
 from tests.support.fake_router import FAST, FakeRouter
 
@@ -244,3 +250,23 @@ def test_hints_are_json_of_turn_hints(router: FakeRouter, session: Session, clie
     session.close()
     # A final turn leaves nothing retained, so close() has nothing to release.
     assert router.requests_to(session.conversation_id) == []
+
+
+def test_a_subagent_session_is_its_own_conversation_linked_to_its_parent(
+    router: FakeRouter, session: Session, base_client: OpenAI
+) -> None:
+    with session.subagent("explore") as sub:
+        assert sub.conversation_id == f"{session.conversation_id}:agent:explore"
+        assert sub.parent_id == session.conversation_id and session.parent_id is None
+        client = sub.wrap(base_client)
+        ask(client, [SYSTEM, {"role": "user", "content": "look around"}])
+    (sent,) = router.requests_to("/chat/completions")
+    assert sent.headers[HEADER_CONVERSATION_ID.lower()] == sub.conversation_id
+    assert sent.headers[HEADER_PARENT_CONVERSATION_ID.lower()] == session.conversation_id
+
+
+def test_a_bad_subagent_name_is_a_typed_error(session: Session) -> None:
+    from kvtether.errors import KVTetherError
+
+    with pytest.raises(KVTetherError, match="conversation_id"):
+        session.subagent("has space")

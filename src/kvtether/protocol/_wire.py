@@ -14,6 +14,10 @@ HEADER_CONVERSATION_ID = "X-Conversation-Id"
 CONVERSATION_ID_HEADER_ALIASES = ("X-Session-Id",)
 # What vLLM's own multi-turn benchmark sends in the JSON body.
 BODY_CONVERSATION_ID = "conversation_id"
+# The conversation this one was spawned from (a subagent's main agent).
+HEADER_PARENT_CONVERSATION_ID = "X-Parent-Conversation-Id"
+# "true" on a conversation's last request: what its turn retains is released once answered.
+HEADER_END = "X-KVTether-End"
 
 # Hints travel either as a JSON object in this header or as this body field.
 HEADER_HINTS = "X-KVTether-Hints"

@@ -26,10 +26,10 @@ from typing import Any
 from kvtether import protocol as p
 from kvtether.router._errors import RouterHTTPError
 
-__all__ = ["AgentIdentity", "HEADER_END", "HEADER_PARENT_CONVERSATION_ID", "identify"]
+__all__ = ["AgentIdentity", "identify"]
 
-HEADER_PARENT_CONVERSATION_ID = "X-Parent-Conversation-Id"
-HEADER_END = "X-KVTether-End"
+HEADER_PARENT_CONVERSATION_ID = p.HEADER_PARENT_CONVERSATION_ID
+HEADER_END = p.HEADER_END
 
 # (conversation header, parent header) pairs, in precedence order after the body field.
 _OWN = (

@@ -48,6 +48,7 @@ class BaseSession:
         settings: SessionSettings | None = None,
         http_client: httpx.Client | None = None,
         api_key: str | None = None,
+        parent_id: str | None = None,
     ) -> None:
         try:
             settings = settings if settings is not None else SessionSettings()
@@ -58,6 +59,7 @@ class BaseSession:
         timeout_s = settings.request_timeout_s
         cid = new_conversation_id() if conversation_id is None else conversation_id
         self._state = state = SessionState(check_conversation_id(cid), settings)
+        state.parent_id = None if parent_id is None else check_conversation_id(parent_id)
         api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         if api_key is not None:
             state.adopt_api_key(api_key)
@@ -74,10 +76,28 @@ class BaseSession:
         """A session whose conversation id is derived from a framework's thread/session id."""
         return cls(conversation_id=conversation_id_from(*ids, namespace=namespace), **kwargs)
 
+    def subagent(self: _S, name: str, **kwargs: Any) -> _S:
+        """A session for a subagent of this one: its own conversation
+        (``<conversation id>:agent:<name>``, the id a Claude Code subagent gets), linked to this
+        one as its parent (``X-Parent-Conversation-Id``), with this session's settings and key.
+        ``kwargs`` go to the constructor (e.g. ``http_client``)."""
+        state = self._state
+        kwargs.setdefault("settings", state.settings)
+        kwargs.setdefault("api_key", state.api_key)
+        return type(self)(
+            conversation_id=f"{state.conversation_id}:agent:{name}",
+            parent_id=state.conversation_id, **kwargs,
+        )
+
     # --- what users read --------------------------------------------------------------------
     @property
     def conversation_id(self) -> str:
         return self._state.conversation_id
+
+    @property
+    def parent_id(self) -> str | None:
+        """The conversation this one was spawned from (``subagent()``, or ``parent_id=``)."""
+        return self._state.parent_id
 
     @property
     def base_url(self) -> str | None:

@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from kvtether.errors import ConfigError
-from kvtether.protocol import HEADER_CONVERSATION_ID, HEADER_HINTS
+from kvtether.protocol import HEADER_CONVERSATION_ID, HEADER_HINTS, HEADER_PARENT_CONVERSATION_ID
 from kvtether.session._exchange import Endpoint, Exchange
 
 if TYPE_CHECKING:
@@ -94,6 +94,8 @@ def _prepare(pick: PickState, request: Any, mod: ModuleType) -> tuple[Any, Excha
             extensions=request.extensions,
         )
     request.headers[HEADER_CONVERSATION_ID] = state.conversation_id
+    if state.parent_id is not None:
+        request.headers[HEADER_PARENT_CONVERSATION_ID] = state.parent_id
     if ex.hints is not None and state.settings.send_hints:
         request.headers[HEADER_HINTS] = ex.hints.model_dump_json(exclude_none=True)
     return request, ex

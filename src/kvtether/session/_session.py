@@ -86,9 +86,10 @@ class AsyncSession(BaseSession):
         settings: SessionSettings | None = None,
         http_client: httpx.AsyncClient | None = None,
         api_key: str | None = None,
+        parent_id: str | None = None,
     ) -> None:
         super().__init__(base_url, conversation_id=conversation_id, settings=settings,
-                         api_key=api_key)
+                         api_key=api_key, parent_id=parent_id)
         state = self._state
         self._ahttp = AsyncClientSlot(
             lambda: client_options(state.base_url, state.settings.request_timeout_s), http_client

@@ -62,6 +62,7 @@ class SessionState:
     ) -> None:
         self.settings = settings
         self.clock = clock
+        self.parent_id: str | None = None  # sent as X-Parent-Conversation-Id
         # Reentrant: a finalizer run by the garbage collector may fire in a thread holding it.
         self._lock = threading.RLock()
         self._lease = LeaseState(conversation_id, settings.base_url, settings.request_timeout_s)
@@ -130,6 +131,10 @@ class SessionState:
         """Call ``listener`` with the tool-call ids of every reply that has some."""
         with self._lock:
             self._tool_call_listener = listener
+
+    @property
+    def api_key(self) -> str | None:
+        return self._lease.api_key
 
     def adopt_api_key(self, api_key: str) -> None:
         """Use ``api_key`` for the session API unless the session was given one."""
