@@ -127,30 +127,14 @@ def relay_stream(
     went away, D or the network failed) calls ``release_unsettled``: D may have finished the
     turn and hold its KV under a lease nobody will ask for.
     """
-    conv, held, record, decode, upstream = ctx.conv, ctx.held, ctx.record, ctx.decode, ctx.upstream
-    finished = settled = False
-
-    def done() -> None:
-        # Synchronous and idempotent: runs even when the client went away before (or
-        # while) the generator ran, so the conversation is never left locked.
-        nonlocal finished
-        if finished:
-            return
-        finished = True
-        decode.inflight -= 1
-        if not settled and release_unsettled is not None:
-            in_background(release_unsettled())
-        if conv is not None and held is not None:
-            if not any(t is record for t in conv.turns):
-                conv.add_turn(record)
-            held.commit_soon()  # saved already, unless the stream ended before settling
-
+    record, decode, upstream = ctx.record, ctx.decode, ctx.upstream
+    end = _StreamEnd(ctx, release_unsettled)
     first = ctx.first
     # With ``first``: decode's role chunk and its first token were already sent (prefill's).
     drop_role = drop_token = first is not None
 
     async def relay() -> AsyncIterator[bytes]:
-        nonlocal settled, drop_role, drop_token
+        nonlocal drop_role, drop_token
         try:
             if first is not None:
                 for chunk in _first_chunks(first, ctx.wants_token_ids):
@@ -163,7 +147,7 @@ def relay_stream(
                     # Settle before [DONE] reaches the client: SDKs close the connection on
                     # [DONE], and anything after that yield would be cancelled with it.
                     _complete(record, ctx, clock)
-                    settled = True
+                    end.settled = True
                     await settle(ctx, await fetch_handle())
                     yield b"data: [DONE]\n\n"
                     continue
@@ -209,17 +193,10 @@ def relay_stream(
                     _strip_token_ids(chunk)
                 yield _event(chunk)
         finally:
-            done()
+            end()
             await upstream.aclose()
 
-    class _Stream(StreamingResponse):
-        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-            try:
-                await super().__call__(scope, receive, send)
-            finally:
-                done()
-
-    return _Stream(relay(), media_type="text/event-stream", headers=ctx.headers)
+    return _stream_response(relay(), end, ctx.headers)
 
 
 def relay_events(
@@ -231,25 +208,10 @@ def relay_events(
     wrote them; the turn is settled before the API's last event (``response.completed``,
     ``message_stop``) goes out, since SDKs stop reading there. Otherwise as
     :func:`relay_stream`."""
-    conv, held, record, decode, upstream = ctx.conv, ctx.held, ctx.record, ctx.decode, ctx.upstream
-    api = ctx.api
-    finished = settled = False
-
-    def done() -> None:
-        nonlocal finished
-        if finished:
-            return
-        finished = True
-        decode.inflight -= 1
-        if not settled and release_unsettled is not None:
-            in_background(release_unsettled())
-        if conv is not None and held is not None:
-            if not any(t is record for t in conv.turns):
-                conv.add_turn(record)
-            held.commit_soon()
+    record, decode, upstream, api = ctx.record, ctx.decode, ctx.upstream, ctx.api
+    end = _StreamEnd(ctx, release_unsettled)
 
     async def relay() -> AsyncIterator[bytes]:
-        nonlocal settled
         frame: list[str] = []
         name = ""
         sequence = 0  # the Responses events' sequence_number, for an error event
@@ -267,9 +229,9 @@ def relay_events(
                     record.timings.decode_first_token_s = now - ctx.decode_sent_unix_s
                     record.ttft_s = now - record.started_unix_s
                     metrics.ttft_s.observe(record.ttft_s)
-                if name in api.terminal_events and not settled:
+                if name in api.terminal_events and not end.settled:
                     _complete(record, ctx, clock)
-                    settled = True
+                    end.settled = True
                     await settle(ctx, await fetch_handle())
                 sequence += 1
                 yield ("\n".join(frame) + "\n\n").encode()
@@ -277,17 +239,50 @@ def relay_events(
             if frame:
                 yield ("\n".join(frame) + "\n\n").encode()
         finally:
-            done()
+            end()
             await upstream.aclose()
 
+    return _stream_response(relay(), end, ctx.headers)
+
+
+class _StreamEnd:
+    """The end of a relayed stream, however it comes: synchronous and idempotent, so it runs
+    even when the client went away before (or while) the generator ran, and the conversation
+    is never left locked. A stream that ended before the turn was settled releases what D may
+    hold for it."""
+
+    def __init__(self, ctx: TurnContext,
+                 release_unsettled: Callable[[], Awaitable[Any]] | None) -> None:
+        self.ctx = ctx
+        self.release_unsettled = release_unsettled
+        self.settled = False
+        self.finished = False
+
+    def __call__(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        ctx = self.ctx
+        ctx.decode.inflight -= 1
+        if not self.settled and self.release_unsettled is not None:
+            in_background(self.release_unsettled())
+        conv, held, record = ctx.conv, ctx.held, ctx.record
+        if conv is not None and held is not None:
+            if not any(t is record for t in conv.turns):
+                conv.add_turn(record)
+            held.commit_soon()  # saved already, unless the stream ended before settling
+
+
+def _stream_response(body: AsyncIterator[bytes], end: _StreamEnd,
+                     headers: dict[str, str]) -> Response:
     class _Stream(StreamingResponse):
         async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
             try:
                 await super().__call__(scope, receive, send)
             finally:
-                done()
+                end()
 
-    return _Stream(relay(), media_type="text/event-stream", headers=ctx.headers)
+    return _Stream(body, media_type="text/event-stream", headers=headers)
 
 
 def _event(chunk: dict[str, Any]) -> bytes:
