@@ -8,6 +8,7 @@ both decode instances, and every turn after the first reuses KV. The spread and 
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,18 @@ from tests.support.stacks import PORT_BASE, Reference, supervised, trouble_in_lo
 
 from .driver import TurnResult, reused, run_conversations, summary
 
-pytestmark = pytest.mark.vllm
+pytestmark = [
+    pytest.mark.vllm,
+    # Four vLLM instances on two cores hit vLLM's shared-memory RPC stall (a prefill worker
+    # stops inside a step until vLLM's 300 s timeout; docs/failures.md, issue 18): on such a
+    # host the test fails on that, not on xPyD. It runs where there are 4 cores or more, or
+    # with KVTETHER_TEST_XPYD=1.
+    pytest.mark.skipif(
+        (os.cpu_count() or 1) < 4 and os.environ.get("KVTETHER_TEST_XPYD") != "1",
+        reason="2P+2D needs 4+ cores: on 2 cores vLLM's RPC queue stalls (docs/failures.md); "
+               "KVTETHER_TEST_XPYD=1 runs it anyway",
+    ),
+]
 
 CONVERSATIONS = 8
 TURNS = 4
