@@ -28,12 +28,10 @@ from kvtether.router._errors import RouterHTTPError
 
 __all__ = ["AgentIdentity", "identify"]
 
-HEADER_PARENT_CONVERSATION_ID = p.HEADER_PARENT_CONVERSATION_ID
-HEADER_END = p.HEADER_END
 
 # (conversation header, parent header) pairs, in precedence order after the body field.
 _OWN = (
-    (p.HEADER_CONVERSATION_ID, HEADER_PARENT_CONVERSATION_ID),
+    (p.HEADER_CONVERSATION_ID, p.HEADER_PARENT_CONVERSATION_ID),
     (p.CONVERSATION_ID_HEADER_ALIASES[0], "X-Parent-Session-Id"),
 )
 _CLAUDE_SESSION = "X-Claude-Code-Session-Id"
@@ -59,10 +57,11 @@ def identify(headers: Mapping[str, str], body: dict[str, Any]) -> AgentIdentity:
     ``headers``: case-insensitive (Starlette's). Raises a 400 :class:`RouterHTTPError` naming
     the header when an id breaks the conversation-id rule.
     """
-    end_value = headers.get(HEADER_END)
+    end_value = headers.get(p.HEADER_END)
     end = end_value is not None and end_value.strip().lower() in _TRUE
     if end_value is not None and not end and end_value.strip().lower() not in {"0", "false", "no"}:
-        raise RouterHTTPError(400, f"{HEADER_END} must be 'true' or 'false'", param=HEADER_END)
+        raise RouterHTTPError(400, f"{p.HEADER_END} must be 'true' or 'false'",
+                              param=p.HEADER_END)
     for header, parent_header in _OWN:
         value = headers.get(header)
         if value is not None:
@@ -71,7 +70,7 @@ def identify(headers: Mapping[str, str], body: dict[str, Any]) -> AgentIdentity:
     if p.BODY_CONVERSATION_ID in body:
         value = body[p.BODY_CONVERSATION_ID]
         return AgentIdentity(_checked(value, p.BODY_CONVERSATION_ID),
-                             _parent(headers, HEADER_PARENT_CONVERSATION_ID),
+                             _parent(headers, p.HEADER_PARENT_CONVERSATION_ID),
                              p.BODY_CONVERSATION_ID, end)
     session = headers.get(_CLAUDE_SESSION)
     if session is not None:
