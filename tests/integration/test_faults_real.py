@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from kvtether import protocol as p
@@ -376,7 +377,7 @@ def _tampering_router(fs: FaultStack, tamper: threading.Event,
                       rewrite: Callable[[dict[str, Any]], None]):
     """An in-process router over the stack's instances whose prefill legs, while ``tamper`` is
     set, carry decode's handle as ``rewrite`` changes it (in place)."""
-    from kvtether.router import RouterSettings, create_app
+    from kvtether.router import create_app
 
     class Tamper(httpx.AsyncHTTPTransport):
         async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -392,17 +393,8 @@ def _tampering_router(fs: FaultStack, tamper: threading.Event,
             return await super().handle_async_request(request)
 
     def make_app(port: int) -> Any:
-        def of(role: str, urls: dict[str, str]) -> list[str]:
-            return [u for n, u in urls.items() if n.startswith(role)]
-
-        rs = RouterSettings(
-            port=port, prefill_urls=of("prefill", fs.urls), decode_urls=of("decode", fs.urls),
-            prefill_control_urls=of("prefill", fs.controls),
-            decode_control_urls=of("decode", fs.controls), control_secret=fs.control_secret,
-            kv_block_size_tokens=fs.stack.settings.block_size_tokens, lease_ttl_s=LEASE_TTL_S,
-            # No hand-off extension: the KV prefill fails to read lapses with the 10 s lease.
-            handoff_lease_s=0,
-        )
+        # No hand-off extension: the KV prefill fails to read lapses with the 10 s lease.
+        rs = _router_settings(fs, port, handoff_lease_s=0)
         return create_app(rs, transport=Tamper())
 
     return serve_app(make_app)
@@ -467,6 +459,70 @@ def test_nixl_handshake_failure(faults: FaultStack, reference_vllm: Reference):
         assert after == "fired", after
     print(f"\nNIXL handshake failure: {outcome} in {seconds:.1f} s; next turn {after}")
     print(f"  KV freed {assert_nothing_held(faults):.1f} s after")
+
+
+def _router_settings(fs: FaultStack, port: int, **overrides: Any) -> Any:
+    from kvtether.router import RouterSettings
+
+    def of(role: str, urls: dict[str, str]) -> list[str]:
+        return [u for n, u in urls.items() if n.startswith(role)]
+
+    return RouterSettings(
+        port=port, prefill_urls=of("prefill", fs.urls), decode_urls=of("decode", fs.urls),
+        prefill_control_urls=of("prefill", fs.controls),
+        decode_control_urls=of("decode", fs.controls), control_secret=fs.control_secret,
+        kv_block_size_tokens=fs.stack.settings.block_size_tokens, lease_ttl_s=LEASE_TTL_S,
+        **overrides,
+    )
+
+
+def _worker(fs: FaultStack, name: str) -> psutil.Process:
+    """The vLLM worker process of instance ``name`` (API server > engine core > worker)."""
+    procs = psutil.Process(fs.pid(name)).children(recursive=True)
+    return next(q for q in procs if "VLLM::Worker" in " ".join(q.cmdline()))
+
+
+# --- a frozen worker ---------------------------------------------------------------------------
+STALL_AFTER_S = 3.0
+
+
+def test_a_frozen_decode_worker_is_given_up_in_bounded_time(faults: FaultStack,
+                                                            reference_vllm: Reference):
+    """Decode's worker stops (SIGSTOP) mid-conversation, as a worker frozen inside vLLM's RPC
+    does: the engine's step waits for it, the connector reports that wait, and the router
+    gives the turn's decode leg up with a 503 in seconds, not vLLM's 300 s RPC timeout."""
+    from kvtether.router import create_app
+
+    with serve_app(lambda port: create_app(_router_settings(
+            faults, port, stall_after_s=STALL_AFTER_S))) as url:
+        c = Conv(faults, reference_vllm, router_url=url)
+        c.turn()
+        worker = _worker(faults, "decode-0")
+        worker.suspend()
+        try:
+            t0 = time.monotonic()
+            r = c.post()  # non-streamed: nothing arrives until decode has answered
+            waited_s = time.monotonic() - t0
+            step_s = faults.control("decode-0", "status")["step_running_s"]
+            health = httpx.get(f"{url}/health", timeout=10)
+            again = c.post()  # while it is stalled: answered at once
+        finally:
+            worker.resume()
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "upstream_stalled", r.text
+        # Housekeeping checks every 5 s: given up within the check after stall_after_s.
+        assert waited_s < STALL_AFTER_S + 20, waited_s
+        assert step_s is not None and step_s >= STALL_AFTER_S, step_s
+        assert health.status_code == 503 and health.json()["backends"]["decode-0"] is False
+        assert again.status_code == 503, again.text
+        assert again.json()["error"]["code"] == "upstream_stalled"
+        # It steps again: the router takes it back, and the answers are the reference's.
+        outcome = c.turn(retry_s=60)
+        print(f"\nfrozen decode worker: 503 upstream_stalled after {waited_s:.1f} s "
+              f"(its step had waited {step_s:.1f} s); resumed, next turn {outcome}, "
+              f"then {c.turn()}")
+    print(f"  KV freed "
+          f"{assert_nothing_held(faults, within_s=PREFILL_KV_LEASE_S + 30):.0f} s after")
 
 
 # --- processes killed and restarted ---------------------------------------------------------

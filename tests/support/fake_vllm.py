@@ -425,6 +425,9 @@ class FakeVLLM:
         self.max_model_len = max_model_len
         self.delay_s = delay_s  # "compute" time, after reading any remote KV
         self.queue_delay_s = queue_delay_s  # time waiting to be scheduled, before reading it
+        # What the control channel reports as the engine step in flight's wait (a frozen
+        # worker when it keeps growing); None between steps.
+        self.step_running_s: float | None = None
         self.decoder_kv_blocks_ttl_s = decoder_kv_blocks_ttl_s
         self.kv_recompute_threshold = kv_recompute_threshold
         self.read_margin_s = read_margin_s
@@ -899,6 +902,7 @@ class FakeVLLM:
                                  retained_blocks=sum(len(r.block_ids) for r in held),
                                  retained_tokens=sum(r.num_tokens for r in held)),
             counters={}, unix_time=time.time(), perf_counter=time.perf_counter(),
+            step_running_s=self.step_running_s,
         ).model_dump(mode="json"))
 
     async def ctl_handle(self, request: Request) -> Response:

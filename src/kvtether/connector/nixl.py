@@ -136,6 +136,8 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
         # sent to the worker: when a sleeping engine must wake to free them.
         self._held_deadlines: dict[str, float] = {}
         self._waker: EngineWaker | None = None
+        # perf_counter() when the engine's step in flight was scheduled; None between steps.
+        self._step_began: float | None = None
         # The engine core waits for each step's result on the worker's response queue, spinning
         # on sched_yield for up to a second: a core-share taken from the workers while a loaded
         # engine steps back to back (31% of a core measured at 16 conversations).
@@ -177,7 +179,21 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
                 tick_s=self._waker.tick_s, engine_steps=self._waker.steps,
                 wakeups=dict(self._waker.wakeups),
             ),
+            step_running_s=self.step_running_s(),
         )
+
+    # --- steps (kvtether.connector.scheduler.IdleSleepScheduler reports them) --------------
+    def step_began(self) -> None:
+        if self._step_began is None:  # with a batch queue, the oldest step in flight
+            self._step_began = time.perf_counter()
+
+    def step_ended(self) -> None:
+        self._step_began = None
+
+    def step_running_s(self) -> float | None:
+        """How long the step in flight has waited for the worker; None between steps."""
+        began = self._step_began  # read once: the engine thread may clear it meanwhile
+        return None if began is None else round(time.perf_counter() - began, 3)
 
     # --- sleeping engine (kvtether.connector.scheduler.IdleSleepScheduler) -----------------
     def attach_waker(self, waker: EngineWaker) -> None:

@@ -47,6 +47,8 @@ class IdleSleepScheduler(Scheduler):
         self._tether: KVTetherScheduler | None = None
         self._waker: EngineWaker | None = None
         tether = getattr(self.connector, "connector_scheduler", None)
+        # Step begin and end, for the control channel's step_running_s (a frozen worker).
+        self._steps = tether if isinstance(tether, KVTetherScheduler) else None
         if not isinstance(tether, KVTetherScheduler):
             logger.warning("IdleSleepScheduler needs the kvtether connector "
                            "(kv_connector_module_path=kvtether.connector.nixl); the engine "
@@ -86,10 +88,14 @@ class IdleSleepScheduler(Scheduler):
         if self._waker is not None:
             self._waker.take_step()
         output = super().schedule(*args, **kwargs)
+        if self._steps is not None:
+            self._steps.step_began()  # the engine core now sends this step to its worker
         self._arm()
         return output
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        if self._steps is not None:
+            self._steps.step_ended()
         outputs = super().update_from_output(*args, **kwargs)
         self._arm()
         return outputs

@@ -170,3 +170,7 @@ class ConnectorStatus(BaseModel):
     perf_counter: float
     # Present when the engine runs kvtether's IdleSleepScheduler.
     idle: IdleInfo | None = None
+    # How long the engine's step in flight has waited for its worker (IdleSleepScheduler
+    # only): None between steps. A frozen worker shows as a number that keeps growing; the
+    # router stops sending to an instance past its stall_after_s.
+    step_running_s: float | None = None

@@ -229,8 +229,28 @@ async def _housekeeping(retention: Retention, pool: BackendPool) -> None:
         if tick % 5 == 0:
             try:
                 await pool.check_health()
+                await _check_stalls(retention.deps)
             except Exception:
                 logger.exception("router housekeeping failed")
+
+
+async def _check_stalls(deps: RouterDeps) -> None:
+    """Mark instances whose engine step has waited for its worker past ``stall_after_s``
+    stalled (their legs in flight give up), and those stepping again not."""
+    after_s = deps.settings.stall_after_s
+    if not after_s:
+        return
+    backends = [b for b in deps.pool.all if b.control_url]
+    steps = await asyncio.gather(*(deps.leases.step_running_s(b) for b in backends))
+    for backend, (known, step_s) in zip(backends, steps, strict=True):
+        if not known:
+            continue  # a control channel that does not answer says nothing about the engine
+        if step_s is not None and step_s >= after_s:
+            if backend.mark_stalled(step_s):
+                deps.metrics.stalls.labels(backend.name).inc()
+        else:
+            backend.mark_stepping()
+        deps.metrics.stalled.labels(backend.name).set(backend.stalled_step_s is not None)
 
 
 @contextlib.asynccontextmanager

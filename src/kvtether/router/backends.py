@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import httpx
 
+from kvtether.router._errors import RouterHTTPError
 from kvtether.router.settings import RouterSettings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Backend", "BackendPool"]
+__all__ = ["Backend", "BackendPool", "BackendStalled", "watch"]
+
+T = TypeVar("T")
 
 # After a connection failure an instance is skipped for this long (then tried again).
 _DOWN_BACKOFF_S = 2.0
@@ -31,13 +37,17 @@ class Backend:
     down_until_monotonic_s: float = 0.0
     last_error: str | None = None
     served_models: list[str] = field(default_factory=list)
+    # Set while the instance's connector reports an engine step that has waited for its
+    # worker longer than the router's stall_after_s (a frozen worker); see :meth:`watch`.
+    stalled_step_s: float | None = None
+    _stall: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     @property
     def available(self) -> bool:
-        return time.monotonic() >= self.down_until_monotonic_s
+        return self.stalled_step_s is None and time.monotonic() >= self.down_until_monotonic_s
 
     def mark_down(self, error: str) -> None:
-        if self.available:
+        if time.monotonic() >= self.down_until_monotonic_s:
             logger.warning("%s %s unreachable: %s", self.role, self.name, error)
         self.down_until_monotonic_s = time.monotonic() + _DOWN_BACKOFF_S
         self.last_error = error
@@ -45,6 +55,134 @@ class Backend:
     def mark_up(self) -> None:
         self.down_until_monotonic_s = 0.0
         self.last_error = None
+
+    def mark_stalled(self, step_s: float) -> bool:
+        """The engine's step has waited ``step_s`` for its worker: give up on every call in
+        flight on this instance (:meth:`watch`) and send it nothing new until it steps again.
+        True when it was not stalled before."""
+        first = self.stalled_step_s is None
+        if first:
+            logger.warning("%s %s stalled: its engine step has waited %.0f s for its worker; "
+                           "its legs in flight are given up, no new ones go to it",
+                           self.role, self.name, step_s)
+            self._stall.set()
+        self.stalled_step_s = step_s
+        return first
+
+    def mark_stepping(self) -> None:
+        """The engine steps again (or never stalled)."""
+        if self.stalled_step_s is not None:
+            logger.warning("%s %s steps again", self.role, self.name)
+            self._stall = asyncio.Event()
+        self.stalled_step_s = None
+
+    def stalled_error(self) -> BackendStalled:
+        return BackendStalled(self)
+
+    async def watch(self, call: Awaitable[T]) -> T:
+        """Await an upstream call on this instance; raise :class:`BackendStalled` (cancelling
+        the call, so vLLM aborts the request) if the instance is or becomes stalled."""
+        return await watch(call, self)
+
+    async def watch_lines(self, lines: AsyncIterator[str]) -> AsyncIterator[str]:
+        """``lines`` (a streamed leg's), ending with :class:`BackendStalled` if the instance
+        stalls while it streams.
+
+        One task per stream reads ``lines`` into a small queue; a stall cancels that task
+        (closing the leg, so vLLM aborts it) and wakes the reader here. Per line that costs a
+        queue hand-off, not a task.
+        """
+        queue: asyncio.Queue[object] = asyncio.Queue(maxsize=_LINE_QUEUE)
+        stalled = False
+
+        async def pump() -> None:
+            try:
+                async for line in lines:
+                    await queue.put(line)
+                await queue.put(_END)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # the leg failed: the reader raises it
+                await queue.put(_Failed(exc))
+
+        def on_stall(_: asyncio.Future[object]) -> None:
+            nonlocal stalled
+            stalled = True
+            reader.cancel()
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(_END)
+
+        reader = asyncio.ensure_future(pump())
+        stall = asyncio.ensure_future(self._stall.wait())
+        stall.add_done_callback(on_stall)
+        try:
+            while True:
+                item = await queue.get()
+                if stalled:
+                    raise BackendStalled(self)
+                if item is _END:
+                    return
+                if isinstance(item, _Failed):
+                    raise item.exc
+                yield item  # type: ignore[misc]
+        finally:
+            stall.remove_done_callback(on_stall)
+            stall.cancel()
+            if not reader.done():
+                reader.cancel()
+                with contextlib.suppress(BaseException):
+                    await reader
+
+
+_LINE_QUEUE = 64  # lines read ahead of the relay, at most
+_END = object()
+
+
+@dataclass(frozen=True)
+class _Failed:
+    exc: BaseException
+
+
+class BackendStalled(RouterHTTPError):
+    """An instance's engine step has waited for its worker past the router's
+    ``stall_after_s``: a frozen worker, whose calls would otherwise hang until vLLM's own
+    300 s RPC timeout ends the engine."""
+
+    def __init__(self, backend: Backend) -> None:
+        waited = backend.stalled_step_s
+        super().__init__(
+            503, f"{backend.role} instance {backend.name} is stalled (its engine step has "
+                 f"waited {waited or 0:.0f} s for its worker); retry shortly",
+            code="upstream_stalled")
+        self.backend = backend
+
+
+async def watch(call: Awaitable[T], *backends: Backend | None) -> T:
+    """Await ``call``; if any of ``backends`` is or becomes stalled first, cancel it (vLLM
+    aborts a request whose connection closes) and raise that instance's
+    :class:`BackendStalled`. Several: a leg that waits on the instance it runs on and on the
+    one whose KV it reads (a frozen worker does not serve NIXL reads of its KV either)."""
+    watched = [b for b in backends if b is not None]
+    for b in watched:
+        if b.stalled_step_s is not None:
+            if asyncio.iscoroutine(call):
+                call.close()
+            raise BackendStalled(b)
+    task = asyncio.ensure_future(call)
+    stalls = {asyncio.ensure_future(b._stall.wait()): b for b in watched}
+    try:
+        await asyncio.wait({task, *stalls}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in stalls:
+            waiter.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task.cancelled():
+        stalled = next((b for b in watched if b.stalled_step_s is not None), watched[0])
+        raise BackendStalled(stalled)
+    return task.result()
 
 
 KEEPALIVE_EXPIRY_S = 2.0
@@ -103,9 +241,10 @@ class BackendPool:
     def _least_loaded(self, backends: list[Backend], key) -> Backend | None:
         if not backends:
             return None
-        # All marked down: try anyway (the soonest to come back first) rather than refuse.
+        # All marked down: try anyway (the soonest to come back first, stalled last) rather
+        # than refuse; a stalled one answers at once (Backend.watch).
         live = [b for b in backends if b.available] or sorted(
-            backends, key=lambda b: b.down_until_monotonic_s
+            backends, key=lambda b: (b.stalled_step_s is not None, b.down_until_monotonic_s)
         )[:1]
         role = backends[0].role
         self._tie_rotation[role] += 1
@@ -152,7 +291,7 @@ class BackendPool:
                 return b.name, False
             if ok:
                 b.mark_up()
-            return b.name, ok
+            return b.name, ok and b.stalled_step_s is None  # a stalled engine answers nothing
 
         return dict(await asyncio.gather(*(one(b) for b in self.all)))
 

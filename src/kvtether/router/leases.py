@@ -48,6 +48,22 @@ class LeaseClient:
         # The connectors' shared secret (KVTETHER_CONTROL_SECRET), sent on every call.
         self._headers = {"Authorization": f"Bearer {control_secret}"} if control_secret else {}
 
+    async def step_running_s(self, backend: Backend) -> tuple[bool, float | None]:
+        """How long the instance's engine step in flight has waited for its worker, from its
+        connector's status: (known, seconds or None between steps). Not known: no control
+        channel, or it did not answer."""
+        if not backend.control_url:
+            return False, None
+        try:
+            r = await backend.client.get(f"{backend.control_url}{_PREFIX}/status",
+                                         headers=self._headers, timeout=5.0)
+            if r.status_code != 200:
+                return False, None
+            value = r.json().get("step_running_s")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return False, None
+        return True, float(value) if isinstance(value, (int, float)) else None
+
     async def fetch_handle(self, decode: Backend, key: str | None) -> dict[str, Any] | None:
         """D's handle for a streamed turn (vLLM does not put it in the stream)."""
         if not decode.control_url or not key:

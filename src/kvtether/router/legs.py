@@ -17,12 +17,13 @@ import httpx
 from kvtether import protocol as p
 from kvtether.router._errors import RouterHTTPError, UpstreamError
 from kvtether.router.apis import api_for
-from kvtether.router.backends import Backend, BackendPool
+from kvtether.router.backends import Backend, BackendPool, BackendStalled, watch
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "FirstToken", "PrefillRefused", "PrefillResult", "PrefillTimedOut", "engine_timings", "failure_kind", "json_or_502",
+    "FirstToken", "PrefillRefused", "PrefillResult", "PrefillStalled", "PrefillTimedOut",
+    "engine_timings", "failure_kind", "json_or_502",
     "note_failure",
     "open_decode", "prefill",
     "prompt_ids", "reported_token_ids", "tokenize",
@@ -61,6 +62,19 @@ class PrefillTimedOut(RouterHTTPError):
                               f"within {timeout_s:g} s", code="upstream_timeout")
         self.backend = backend
         self.timeout_s = timeout_s
+
+
+class PrefillStalled(PrefillTimedOut):
+    """The prefill instance stalled during the leg (or before it): given up at once, and the
+    turn may still be answered by decode alone."""
+
+    def __init__(self, backend: Backend, waited_s: float, stalled: Backend) -> None:
+        super().__init__(backend, waited_s)
+        whose = "" if stalled is backend else ", whose KV the prefill leg reads,"
+        self.message = (f"{stalled.role} instance {stalled.name}{whose} stalled (its engine "
+                        f"step waited {stalled.stalled_step_s or 0:.0f} s for its worker); the "
+                        f"prefill leg was given up after {waited_s:.1f} s")
+        self.code = "upstream_stalled"
 
 
 def _prefill_failed(
@@ -160,11 +174,14 @@ async def tokenize(
 async def prefill(
     backend: Backend, endpoint: str, body: dict[str, Any], request_id: str,
     handle: dict[str, Any] | None, *, timeout_s: float | None = None,
+    holder: Backend | None = None,
 ) -> PrefillResult:
     """Run the prompt on P (one token), reading ``handle`` from D when there is one.
 
     ``timeout_s``: how long to wait for P's answer (it comes whole, at the end of the leg);
     past it the request is dropped (vLLM aborts it) and :class:`PrefillTimedOut` raised.
+    ``holder``: the decode instance ``handle`` is on; if it (or P) stalls meanwhile, the leg
+    is given up at once with :class:`PrefillStalled`.
     """
     api = api_for(endpoint)
     leg_body = api.prefill_body(body)
@@ -174,12 +191,14 @@ async def prefill(
     t0 = time.perf_counter()
     backend.inflight += 1
     try:
-        r = await backend.client.post(
+        r = await watch(backend.client.post(
             endpoint, json=leg_body, headers={"X-Request-Id": request_id},
             **({"timeout": _leg_timeout(backend, timeout_s)} if timeout_s else {}),
-        )
+        ), backend, holder if handle else None)
     except httpx.HTTPError as exc:
         raise _prefill_failed(backend, exc, timeout_s) from None
+    except BackendStalled as exc:
+        raise PrefillStalled(backend, time.perf_counter() - t0, exc.backend) from None
     finally:
         backend.inflight -= 1
     leg_s = time.perf_counter() - t0
@@ -254,6 +273,7 @@ def engine_timings(params: dict[str, Any] | None) -> p.EngineTimings | None:
 async def open_decode(
     pool: BackendPool, preferred: str | None, endpoint: str, body: dict[str, Any],
     request_id: str, *, round_robin: bool = False, stream_idle_timeout_s: float | None = None,
+    source: Backend | None = None,
 ) -> tuple[Backend, httpx.Response]:
     """Send the decode leg, to the conversation's instance when it is reachable.
 
@@ -265,12 +285,17 @@ async def open_decode(
     An instance that refuses the connection is skipped for the next one: P keeps this
     turn's KV for a while, so any decode instance can still read it. The answer is returned
     unread (a stream), with the instance's ``inflight`` count still held for the caller.
+    ``source``: the prefill instance whose KV the leg reads; if it stalls before the answer
+    starts, the leg is given up (no other decode instance could read that KV either).
     """
     tried: set[str] = set()
+    stalled: BackendStalled | None = None
     while True:
         decode = (pool.next_decode(tried) if round_robin
                   else pool.pick_decode(preferred, exclude=tried))
         if decode is None:
+            if stalled is not None:
+                raise stalled
             raise RouterHTTPError(503, "no decode instance is reachable; retry shortly",
                                   code="upstream_unavailable")
         tried.add(decode.name)
@@ -282,7 +307,15 @@ async def open_decode(
         )
         decode.inflight += 1
         try:
-            upstream = await decode.client.send(request, stream=True)
+            upstream = await watch(decode.client.send(request, stream=True), decode, source)
+        except BackendStalled as exc:
+            decode.inflight -= 1
+            if exc.backend is not decode:
+                raise  # the KV to read is on a stalled prefill instance
+            # Given up (vLLM aborts the request); P still holds this turn's KV, so another
+            # decode instance can take the leg.
+            stalled = exc
+            continue
         except httpx.ConnectError as exc:
             decode.inflight -= 1
             decode.mark_down(repr(exc))

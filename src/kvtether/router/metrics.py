@@ -54,6 +54,15 @@ class RouterMetrics:
             "kvtether_prefill_leg_timeouts", "Prefill legs dropped after prefill_leg_timeout_s "
             "(their turns ran on decode alone)", registry=r,
         )
+        self.stalls = Counter(
+            "kvtether_instance_stalls", "Times an instance was found stalled (an engine step "
+            "waiting for its worker past stall_after_s; its legs in flight were given up)",
+            ["instance"], registry=r,
+        )
+        self.stalled = Gauge(
+            "kvtether_instance_stalled", "1 while an instance is stalled (no legs go to it)",
+            ["instance"], registry=r,
+        )
         self.first_token_from_prefill = Counter(
             "kvtether_first_token_from_prefill", "Streamed turns whose first token went to the "
             "client from prefill's answer, before decode's first step", registry=r,

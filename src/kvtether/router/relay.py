@@ -19,7 +19,7 @@ from kvtether import protocol as p
 from kvtether.router._clock import Clock
 from kvtether.router._errors import RouterHTTPError, anthropic_error_body
 from kvtether.router.apis import Api, api_for
-from kvtether.router.backends import Backend
+from kvtether.router.backends import Backend, BackendStalled
 from kvtether.router.conversations import Conversation, HeldConversation
 from kvtether.router.legs import FirstToken, failure_kind, json_or_502, note_failure, prompt_ids
 from kvtether.router.metrics import RouterMetrics
@@ -361,19 +361,21 @@ async def _lines_or_error(
     Nothing is retained for this turn.
     """
     try:
-        async for line in upstream.aiter_lines():
+        async for line in decode.watch_lines(upstream.aiter_lines()):
             yield line
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, BackendStalled) as exc:
         logger.warning("decode %s failed mid-stream: %r", decode.name, exc)
-        message = (f"decode instance {decode.name} failed while streaming the answer; "
+        what = "stalled" if isinstance(exc, BackendStalled) else "failed"
+        code = "upstream_stalled" if isinstance(exc, BackendStalled) else "upstream_unavailable"
+        message = (f"decode instance {decode.name} {what} while streaming the answer; "
                    "retry the request")
         if api is not None and api.anthropic_errors:
             body: dict[str, Any] = anthropic_error_body(502, message)
         elif api is not None and api.named_events:
-            body = {"type": "error", "code": "upstream_unavailable", "message": message,
+            body = {"type": "error", "code": code, "message": message,
                     "param": None, "sequence_number": sequence_of()}
         else:
-            body = p.error_body(message, "upstream_error", code="upstream_unavailable")
+            body = p.error_body(message, "upstream_error", code=code)
         if api is not None and api.named_events:
             yield "event: error"
         yield "data: " + json.dumps(body, separators=(",", ":"))

@@ -152,6 +152,15 @@ class RouterSettings(RetentionSettings, AccessSettings, BaseSettings):
         "upstream_unavailable error event (a frozen decode worker never holds a stream for "
         "longer); a non-streamed answer arrives whole and waits up to upstream_timeout_s",
     )
+    stall_after_s: float = Field(
+        default=60.0, ge=0, allow_inf_nan=False,
+        description="an instance whose kvtether connector reports an engine step waiting "
+        "for its worker this long (checked every 5 s) is stalled: its legs in flight are "
+        "given up (a prefill leg's turn runs on decode alone; a decode leg goes to another "
+        "decode instance or gets a 503 upstream_stalled) and it gets no new legs until it "
+        "steps again; 0: off. Needs the connector's control channel and its scheduler "
+        "(the CPU profiles)",
+    )
     relay_prefill_token: bool = Field(
         default=True,
         description="stream a greedy chat turn's first token from prefill's answer, before "

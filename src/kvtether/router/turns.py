@@ -165,7 +165,11 @@ class TurnRunner:
         prefill = self._pick_prefill(refused)
         if self.pool.decode and not any(b.available for b in self.pool.decode):
             # Every decode instance just refused a connection: a prefill leg now would only
-            # pin its prompt's KV on P (until vLLM's prefill lease lapses) for nobody.
+            # pin its prompt's KV on P (until vLLM's prefill lease lapses) for nobody. The
+            # same for every decode instance stalled (a frozen worker).
+            stalled = next((b for b in self.pool.decode if b.stalled_step_s is not None), None)
+            if stalled is not None:
+                raise stalled.stalled_error()
             raise RouterHTTPError(503, "no decode instance is reachable; retry shortly",
                                   code="upstream_unavailable")
         planning = clock.now_unix_s()
@@ -190,7 +194,8 @@ class TurnRunner:
                 taken = self.retention.take(conv)
         leg: legs.PrefillResult | None
         try:
-            leg = await self._prefill_leg(prefill, refused, req, plan.handle)
+            holder = self.pool.by_name(taken.decode_instance) if taken is not None else None
+            leg = await self._prefill_leg(prefill, refused, req, plan.handle, holder)
         except legs.PrefillTimedOut as exc:
             # A frozen or hopelessly queued prefill: decode answers alone (recomputing the
             # prompt). A handle taken for the leg stays under its hand-off lease: P may still
@@ -237,6 +242,7 @@ class TurnRunner:
         decode, upstream = await legs.open_decode(
             self.pool, preferred, req.endpoint, body, req.request_id, round_robin=not kvtether,
             stream_idle_timeout_s=self.s.stream_idle_timeout_s,
+            source=leg.prefill if leg is not None else None,
         )
         if conv is not None:
             conv.decode_instance = decode.name
@@ -329,12 +335,13 @@ class TurnRunner:
 
     async def _prefill_leg(
         self, prefill: Backend, refused: set[str], req: TurnRequest,
-        handle: dict[str, Any] | None,
+        handle: dict[str, Any] | None, holder: Backend | None = None,
     ) -> legs.PrefillResult:
         while True:
             try:
                 return await legs.prefill(prefill, req.endpoint, req.body, req.request_id,
-                                          handle, timeout_s=self.s.prefill_leg_timeout_s)
+                                          handle, timeout_s=self.s.prefill_leg_timeout_s,
+                                          holder=holder)
             except legs.PrefillRefused as exc:
                 prefill = self._instead_of_refused(refused, exc)
 
