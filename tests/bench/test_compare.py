@@ -138,14 +138,18 @@ def _result(summary: dict[str, dict[str, object]]) -> dict[str, object]:
 def test_targets_and_markdown_report_what_was_measured(tmp_path: Path) -> None:
     base = summarize("x", [], [], wall_s=1, drain_s=0, compress=16, not_run=0).as_dict()
     summary = {
-        "colocated": {**base, "strategy": "colocated"},
+        "colocated": {**base, "strategy": "colocated", "ttft_p50_s": 1.0, "turns_per_s": 0.5},
         "pd-oneway": {**base, "strategy": "pd-oneway", "ttft_p50_s": 6.0},
         "pd-upstream": {**base, "strategy": "pd-upstream", "retained_kv_token_s": 1000.0},
         "kvtether": {**base, "strategy": "kvtether", "ttft_p50_s": 1.5, "eligible_turns": 10,
                      "fired_turns": 10, "reuse_rate": 1.0, "divergent_outputs": 0,
-                     "retained_kv_token_s": 300.0},
+                     "retained_kv_token_s": 300.0, "ttft_p99_s": 3.0, "turns_per_s": 0.6},
     }
     rows = {r["target"]: r for r in report.targets(summary)}
+    assert rows["turn 2+ TTFT p50, kvtether / colocated"]["measured"] == "1.50x"
+    assert rows["turn 2+ TTFT p50, kvtether / colocated"]["met"] is False
+    assert rows["turn 2+ TTFT p99 / p50 (kvtether)"]["measured"] == "2.00x"
+    assert rows["turns/s, kvtether / colocated"]["met"] is True
     assert rows["reuse on eligible turns"]["met"] is True
     assert rows["turn 2+ TTFT p50, pd-oneway / kvtether"]["measured"] == "4.00x"
     assert rows["retained KV token-s vs fixed TTL (pd-upstream)"]["met"] is False

@@ -146,6 +146,23 @@ def test_cpu_profiles_let_an_idle_stack_sleep() -> None:
         assert cmd.env["UCX_USE_MT_MUTEX"] == "y"
 
 
+def test_smol_profiles_take_small_steps_and_the_rest_keep_vllms() -> None:
+    for profile in ("cpu-smol", "cpu-bench"):
+        for role in ("prefill", "decode", "reference"):
+            cmd = VllmCommands().command(_plan(role), StackSettings(profile=profile))
+            assert _flag(cmd.argv, "--max-num-batched-tokens") == "256"
+            assert _flag(cmd.argv, "--long-prefill-token-threshold") == "128"
+    for profile in ("cpu-tiny", "gpu"):
+        cmd = VllmCommands().command(_plan("prefill"), StackSettings(profile=profile))
+        assert "--max-num-batched-tokens" not in cmd.argv
+        assert "--long-prefill-token-threshold" not in cmd.argv
+    chosen = StackSettings(profile="cpu-bench", max_num_batched_tokens=1024,
+                           long_prefill_token_threshold=None)
+    cmd = VllmCommands().command(_plan("prefill"), chosen)
+    assert _flag(cmd.argv, "--max-num-batched-tokens") == "1024"
+    assert "--long-prefill-token-threshold" not in cmd.argv
+
+
 def test_gpu_profile_keeps_vllm_behaviour() -> None:
     cmd = VllmCommands().command(_plan("decode"), StackSettings(profile="gpu"))
     assert "--scheduler-cls" not in cmd.argv

@@ -46,6 +46,16 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         ratio = k["retained_kv_token_s"] / up["retained_kv_token_s"]
         add("retained KV token-s vs fixed TTL (pd-upstream)", f"{ratio:.2f}x", "<= 0.20x",
             ratio <= 0.2)
+    col = summary.get("colocated")
+    if col and col["ttft_p50_s"] and k["ttft_p50_s"]:
+        ratio = k["ttft_p50_s"] / col["ttft_p50_s"]
+        add("turn 2+ TTFT p50, kvtether / colocated", f"{ratio:.2f}x", "<= 1.0x", ratio <= 1.0)
+    if k["ttft_p50_s"] and k["ttft_p99_s"]:
+        ratio = k["ttft_p99_s"] / k["ttft_p50_s"]
+        add("turn 2+ TTFT p99 / p50 (kvtether)", f"{ratio:.2f}x", "<= 3x", ratio <= 3)
+    if col and col["turns_per_s"] and k["turns_per_s"]:
+        ratio = k["turns_per_s"] / col["turns_per_s"]
+        add("turns/s, kvtether / colocated", f"{ratio:.2f}x", ">= 1.0x", ratio >= 1.0)
     one = summary.get("pd-oneway")
     if one and one["ttft_p50_s"] and k["ttft_p50_s"]:
         ratio = one["ttft_p50_s"] / k["ttft_p50_s"]

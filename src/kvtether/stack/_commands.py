@@ -169,6 +169,10 @@ class VllmCommands:
         ]
         if settings.enforce_eager:
             argv.append("--enforce-eager")
+        if settings.max_num_batched_tokens is not None:
+            argv += ["--max-num-batched-tokens", str(settings.max_num_batched_tokens)]
+        if settings.long_prefill_token_threshold is not None:
+            argv += ["--long-prefill-token-threshold", str(settings.long_prefill_token_threshold)]
         argv += tool_call_args(plan.model_dir)
         if plan.gpu_memory_utilization is not None:
             argv += ["--gpu-memory-utilization", str(plan.gpu_memory_utilization)]

@@ -36,6 +36,17 @@ _CPU: dict[str, Any] = {
     "progress_thread_delay_us": 2000,
     "rpc_busy_loop_s": 0.02,
     "vllm_env": {"UCX_USE_MT_MUTEX": "y"},
+    # vLLM's own step size (a tiny model's steps cost milliseconds whatever their size).
+    "max_num_batched_tokens": None,
+    "long_prefill_token_threshold": None,
+}
+# SmolLM2 on one core computes ~150-300 prompt tokens a second: a step of vLLM's default 2,048
+# tokens runs 7-13 s, and a turn that arrives meanwhile waits for all of it even when it has
+# 16 new tokens to compute. Smaller steps, and a cap on how much of one long prompt a step
+# takes, let such a turn in at the next step (docs/cpu-hosts.md, measured there).
+_CPU_SMALL_STEPS: dict[str, Any] = {
+    "max_num_batched_tokens": 256,
+    "long_prefill_token_threshold": 128,
 }
 
 PROFILES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
@@ -44,12 +55,12 @@ PROFILES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
             {**_CPU, "prepared_model": "tiny", "max_model_len_tokens": 4096}
         ),
         "cpu-smol": MappingProxyType(
-            {**_CPU, "prepared_model": "smol", "max_model_len_tokens": 2048}
+            {**_CPU, **_CPU_SMALL_STEPS, "prepared_model": "smol", "max_model_len_tokens": 2048}
         ),
         # `kvtether bench`: SmolLM2 at 2-4K contexts, where prefill (~7 s for 2K tokens on one
         # core) dominates a KV read (tens of ms), so TTFT ratios mean something on a CPU host.
         "cpu-bench": MappingProxyType(
-            {**_CPU, "prepared_model": "smol", "max_model_len_tokens": 4096,
+            {**_CPU, **_CPU_SMALL_STEPS, "prepared_model": "smol", "max_model_len_tokens": 4096,
              "kv_cache_space_gib": 2}
         ),
         # One GPU per instance when there are enough of them (``gpu_ids``); CUDA graphs on.
@@ -68,6 +79,8 @@ PROFILES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 "progress_thread_delay_us": None,
                 "rpc_busy_loop_s": None,
                 "vllm_env": {},
+                "max_num_batched_tokens": None,
+                "long_prefill_token_threshold": None,
                 "prepared_model": "smol",
                 "max_model_len_tokens": 8192,
             }

@@ -140,6 +140,14 @@ class StackSettings(RetentionSettings, AccessSettings, StackSettingsBase):
     enforce_eager: bool = _preset("vLLM --enforce-eager")
     block_size_tokens: KVBlockSizeTokens = _preset("vLLM KV block size")
     max_model_len_tokens: int = _preset("vLLM --max-model-len")
+    max_num_batched_tokens: int | None = _preset(
+        "vLLM --max-num-batched-tokens, the tokens one engine step computes; none = vLLM's "
+        "default"
+    )
+    long_prefill_token_threshold: int | None = _preset(
+        "vLLM --long-prefill-token-threshold, the most tokens of one prompt a step computes "
+        "while other requests wait; none = vLLM's 0 (no cap)"
+    )
     kv_cache_space_gib: int | None = _preset("CPU KV cache GiB (VLLM_CPU_KVCACHE_SPACE)")
     kv_buffer_device: Literal["cpu", "cuda"] = _preset("NIXL kv_buffer_device")
     gpu_memory_utilization: float | None = _preset("vLLM --gpu-memory-utilization")
