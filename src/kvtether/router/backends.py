@@ -38,7 +38,7 @@ class Backend:
     last_error: str | None = None
     served_models: list[str] = field(default_factory=list)
     # Set while the instance's connector reports an engine step that has waited for its
-    # worker longer than the router's stall_after_s (a frozen worker); see :meth:`watch`.
+    # worker longer than the router's stall_after_s (a frozen worker); see :func:`watch`.
     stalled_step_s: float | None = None
     _stall: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
@@ -58,7 +58,7 @@ class Backend:
 
     def mark_stalled(self, step_s: float) -> bool:
         """The engine's step has waited ``step_s`` for its worker: give up on every call in
-        flight on this instance (:meth:`watch`) and send it nothing new until it steps again.
+        flight on this instance (:func:`watch`) and send it nothing new until it steps again.
         True when it was not stalled before."""
         first = self.stalled_step_s is None
         if first:
@@ -75,14 +75,6 @@ class Backend:
             logger.warning("%s %s steps again", self.role, self.name)
             self._stall = asyncio.Event()
         self.stalled_step_s = None
-
-    def stalled_error(self) -> BackendStalled:
-        return BackendStalled(self)
-
-    async def watch(self, call: Awaitable[T]) -> T:
-        """Await an upstream call on this instance; raise :class:`BackendStalled` (cancelling
-        the call, so vLLM aborts the request) if the instance is or becomes stalled."""
-        return await watch(call, self)
 
     async def watch_lines(self, lines: AsyncIterator[str]) -> AsyncIterator[str]:
         """``lines`` (a streamed leg's), ending with :class:`BackendStalled` if the instance
@@ -242,7 +234,7 @@ class BackendPool:
         if not backends:
             return None
         # All marked down: try anyway (the soonest to come back first, stalled last) rather
-        # than refuse; a stalled one answers at once (Backend.watch).
+        # than refuse; a stalled one answers at once (watch).
         live = [b for b in backends if b.available] or sorted(
             backends, key=lambda b: (b.stalled_step_s is not None, b.down_until_monotonic_s)
         )[:1]

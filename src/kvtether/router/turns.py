@@ -22,7 +22,7 @@ from kvtether.router import legs
 from kvtether.router._deps import RouterDeps
 from kvtether.router._errors import RouterHTTPError
 from kvtether.router.apis import Api, api_for
-from kvtether.router.backends import Backend
+from kvtether.router.backends import Backend, BackendStalled
 from kvtether.router.branches import hold_branch
 from kvtether.router.conversations import (
     Conversation,
@@ -169,7 +169,7 @@ class TurnRunner:
             # same for every decode instance stalled (a frozen worker).
             stalled = next((b for b in self.pool.decode if b.stalled_step_s is not None), None)
             if stalled is not None:
-                raise stalled.stalled_error()
+                raise BackendStalled(stalled)
             raise RouterHTTPError(503, "no decode instance is reachable; retry shortly",
                                   code="upstream_unavailable")
         planning = clock.now_unix_s()
