@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import uuid
 
 import httpx
@@ -178,3 +179,61 @@ def test_bad_input_gets_openai_errors_and_router_stays_up(pd_stack):
         assert r.status_code == status, (kwargs, r.text)
         assert r.json()["error"]["message"]
         assert httpx.post(url, json=good, timeout=600).status_code == 200
+
+
+def _prefill_requests(stack) -> float:
+    """Requests prefill's engine has finished (vLLM's own counter)."""
+    text = httpx.get(f"{stack.prefill_urls[0]}/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_short_turns_are_computed_on_decode_with_its_kv_and_match_reference(
+    pd_stack, reference_vllm, stream
+):
+    """local_prefill_max_tokens: turns 2+ add fewer tokens than the limit, so no prefill leg
+    runs; decode finds the KV it retains in its own prefix cache, computes the rest, retains
+    the result under a new lease and the old lease is released. Output equals the reference."""
+    from tests.support.stacks import serve_router
+
+    bs = pd_stack.block_size_tokens
+    started = time.time()
+    with serve_router(pd_stack, local_prefill_max_tokens=256) as url:
+        cid = f"it-local-{uuid.uuid4().hex[:8]}"
+        msgs = _conversation(4)
+        prev_total = 0
+        for turn in range(1, 5):
+            body = {"model": pd_stack.model, "messages": msgs, "max_tokens": 12}
+            prefilled = _prefill_requests(pd_stack)
+            h, ids, text = _chat(url, body, cid=cid, stream=stream)
+            _, ref_ids, _ = _chat(reference_vllm.base_url, body, cid=None, stream=False)
+            assert ids == ref_ids, f"turn {turn}: output differs from the colocated reference"
+            outcome, reused = h["x-kvtether-reuse"], int(h["x-kvtether-reused-tokens"])
+            if turn > 1:
+                assert outcome == "fired", f"turn {turn}: {outcome}"
+                assert reused == ((prev_total - 1) // bs) * bs, (turn, reused, prev_total)
+                assert _prefill_requests(pd_stack) == prefilled  # no prefill leg
+            prev_total = int(h["x-kvtether-prompt-tokens"]) + len(ids)
+            msgs = msgs + [
+                {"role": "assistant", "content": text},
+                {"role": "tool", "content": TOOL_RESULT},
+            ]
+        status = httpx.get(f"{url}/v1/sessions/{cid}", timeout=30).json()
+        assert [t["local_prefill"] for t in status["turns"]] == [False, True, True, True]
+        # What decode's engine reported it did not compute is what the headers said.
+        assert all(t["outcome"] == "fired" for t in status["turns"][1:]), status["turns"]
+        # One lease holds the conversation's KV: each earlier one was released, not left to lapse.
+        leases = httpx.get(f"{pd_stack.decode_control_urls[0]}/kvtether/v1/leases",
+                           headers=pd_stack.control_headers, timeout=10).json()
+        mine = [lease for lease in leases["leases"] + leases["recently_ended"]
+                if lease["created_unix_s"] >= started]
+        assert sorted(lease["state"] for lease in mine) == ["active", "released",
+                                                            "released", "released"], mine
+        active = next(lease for lease in mine if lease["state"] == "active")
+        assert active["retained_tokens"] == status["retained_tokens"] == prev_total - 1
+        _release_at(url, cid)
+
+
+def _release_at(url: str, cid: str) -> None:
+    httpx.delete(f"{url}/v1/sessions/{cid}", timeout=60)

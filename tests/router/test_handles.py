@@ -47,10 +47,11 @@ async def test_failed_pull_reported_when_prefix_cache_hides_it() -> None:
     async with make_router(fake={"kvtether_connector": True}) as h:
         a = h.conversation("hidden")
         t1 = await a.say("one")
-        # P's own prefix cache holds turn 1's prompt (it prefilled it); the pull of the rest
-        # (turn 1's answer) fails and P recomputes it.
+        # P's own prefix cache holds most of turn 1's prompt (it prefilled it); the pull of
+        # the rest (its last whole block, the partial one and turn 1's answer) fails and P
+        # recomputes more than a block of what it could have reused.
         prompt1 = t1.usage["prompt_tokens"]
-        h.p.local_hit_tokens = lambda prompt: prompt1 // BLOCK_SIZE * BLOCK_SIZE
+        h.p.local_hit_tokens = lambda prompt: (prompt1 // BLOCK_SIZE - 1) * BLOCK_SIZE
         h.p.pull_failure = True
         t2 = await a.say("two")
         assert h.p.responses[-1]["kv_transfer_params"][p.KV_PARAM_PULL] == "failed"

@@ -30,8 +30,9 @@ async def test_below_threshold_remainder_after_a_local_hit_fired() -> None:
         assert h.p.responses[-1]["kv_transfer_params"][p.KV_PARAM_PULL] == "below_threshold"
         assert t2.outcome == "fired"
         assert t2.reused == held - 10
-        # Everything turn 1 built (its prompt and answer) is repeated by turn 2's prompt.
-        assert reusable(t2) == t1.usage["prompt_tokens"] + t1.usage["completion_tokens"]
+        # Everything turn 1 built (its prompt and answer) is repeated by turn 2's prompt; all
+        # of it had KV but the answer's last token, which no engine computed.
+        assert reusable(t2) == t1.usage["prompt_tokens"] + t1.usage["completion_tokens"] - 1
         assert 0 < reusable(t2) - t2.reused < THRESHOLD
         h.assert_kv_correct()
 
@@ -63,7 +64,7 @@ async def test_the_last_sequence_is_remembered_after_every_kind_of_loss() -> Non
         t1 = await a.say("one")
         t2 = await a.say("two")
         assert t2.outcome == "miss:evicted"
-        assert reusable(t2) == t1.usage["prompt_tokens"] + t1.usage["completion_tokens"]
+        assert reusable(t2) == t1.usage["prompt_tokens"] + t1.usage["completion_tokens"] - 1
         status = (await h.client.get("/v1/sessions/evict")).json()
         assert [t["reusable_tokens"] for t in status["turns"]] == [0, reusable(t2)]
         assert [t["outcome"] for t in status["turns"]] == ["miss:first_turn", "miss:evicted"]
@@ -143,17 +144,20 @@ def _outcome(prompt: int, cached: int, previous: list[int] | None, *, handle: bo
 
 
 def test_outcome_rules_at_their_boundaries() -> None:
-    prev = list(range(100))
+    prev = list(range(101))  # reusable 100: the last token's KV was never computed
     # lost = reusable - reused against max(threshold, block) = 32
     assert _outcome(150, 69, prev) == "fired"  # lost 31
     assert _outcome(150, 68, prev) == "miss:transfer_failed"  # lost 32
+    # A prefix cache of whole blocks after a turn that built 32k tokens (its last one without
+    # KV): 32k - 1 held, (k - 1) blocks hit, 31 tokens lost.
+    assert _outcome(150, 64, list(range(96))) == "fired"
     assert _outcome(150, 68, prev, handle=False, cause=p.MissCause.EVICTED) == "miss:evicted"
     assert _outcome(150, 0, prev, decode_lost=True) == "miss:decode_unavailable"
     assert _outcome(150, 0, prev, handle=False) == "miss:not_retained"
     # eligibility: reusable >= max(threshold, 1)
-    assert _outcome(150, 0, list(range(15))) == "miss:below_threshold"
-    assert _outcome(150, 0, list(range(16)), handle=False) == "fired"  # lost 16 < a block
-    assert _outcome(150, 0, list(range(16)), handle=False, block=16) == "miss:not_retained"
+    assert _outcome(150, 0, list(range(16))) == "miss:below_threshold"  # reusable 15
+    assert _outcome(150, 0, list(range(17)), handle=False) == "fired"  # lost 16 < a block
+    assert _outcome(150, 0, list(range(17)), handle=False, block=16) == "miss:not_retained"
     assert _outcome(150, 0, list(range(15)) + [-1] * 50) == "miss:prefix_break"
     assert _outcome(150, 0, None) == "miss:first_turn"
     assert _outcome(150, 0, prev, threshold=0, block=1) == "miss:transfer_failed"

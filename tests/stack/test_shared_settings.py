@@ -83,6 +83,7 @@ def test_the_router_command_line_round_trips_every_forwarded_value() -> None:
         "max_retained_tokens": 1,
         "max_retained_tokens_per_tenant": 3,
         "max_branches": 2,
+        "local_prefill_max_tokens": 300,
         "api_key_file": Path("/etc/kvtether/keys"),
         "metrics_require_api_key": True,
         "max_request_body_bytes": 2048,

@@ -320,6 +320,20 @@ class Cluster:
         self.retentions[(inst.engine_id, request_id)] = r
         return r
 
+    def held_prefix(self, inst: FakeVLLM, prompt: list[int]) -> int:
+        """Prompt tokens ``inst``'s prefix cache finds in the KV it holds: whole blocks, at
+        most all but the prompt's last token (vLLM's rule)."""
+        best = 0
+        for r in self.retentions.values():
+            r.refresh()
+            if r.holder != inst.name or r.state != "held":
+                continue
+            held, n = r.seq[: r.num_tokens], 0
+            while n < min(len(held), len(prompt) - 1) and held[n] == prompt[n]:
+                n += 1
+            best = max(best, n // BLOCK_SIZE * BLOCK_SIZE)
+        return best
+
     def read(self, reader: FakeVLLM, params: dict[str, Any], prompt: list[int], *,
              threshold: int, margin_s: float | None, fail: bool = False,
              local_tokens: int = 0) -> ReadEvent:
@@ -620,7 +634,9 @@ class FakeVLLM:
         kvp = body.get("kv_transfer_params")
         kvp = kvp if isinstance(kvp, dict) else None
         is_prefill = bool(kvp and kvp.get("do_remote_decode"))
-        is_decode = bool(kvp and kvp.get("do_remote_prefill"))
+        # kvtether's connector: a local-prefill turn (no prefill leg) is a decode request too.
+        is_local = bool(kvp and kvp.get(p.KV_PARAM_LOCAL_PREFILL)) and self.kvtether_connector
+        is_decode = bool(kvp and kvp.get("do_remote_prefill")) or is_local
         cached = 0
         read: ReadEvent | None = None
         if self.queue_delay_s:
@@ -642,7 +658,9 @@ class FakeVLLM:
             cached = max(cached, min(self.local_hit_tokens(prompt), len(prompt) - 1))
         elif is_decode:
             self.decode_params.append(dict(kvp))
-            if kvp.get("remote_block_ids"):
+            if is_local:
+                cached = self.cluster.held_prefix(self, prompt)
+            elif kvp.get("remote_block_ids"):
                 ev = self.cluster.read(self, kvp, prompt, threshold=0, margin_s=None)
                 if ev.result != "read":
                     self.cluster.violations.append(
@@ -693,6 +711,8 @@ class FakeVLLM:
             if key:
                 kv_out[p.KV_PARAM_LEASE_KEY] = key
                 self.leases[key] = r
+            if is_local:
+                kv_out[p.KV_PARAM_CACHED_TOKENS] = cached
         if kv_out is not None and self.kvtether_connector:
             # Like the kvtether connector: how this leg went inside the engine.
             kv_out[p.KV_PARAM_TIMINGS] = {

@@ -5,7 +5,8 @@ for any P/D router, and the same as the router's ``X-KVTether-Reuse`` label
 (docs/wire-contract.md):
 
 * ``reusable`` tokens: the longest common prefix of this turn's prompt and the token sequence
-  the previous turn built (its prompt and its answer): what earlier turns had computed KV for.
+  the previous turn built (its prompt and its answer, less the answer's last token, whose KV
+  no engine computed): what earlier turns had computed KV for.
 * ``reused`` tokens: what the serving side reports it did not compute (prefix cache hits plus
   tokens read from decode).
 * **eligible** and **fired**: :func:`kvtether.protocol.reuse_verdict`, the router's own rule
@@ -21,7 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvtether.bench._measure import percentile
-from kvtether.protocol import common_prefix_tokens, reuse_verdict
+from kvtether.protocol import reusable_prefix_tokens, reuse_verdict
 
 __all__ = ["StrategyMetrics", "TurnResult", "classify", "summarize"]
 
@@ -63,7 +64,7 @@ def classify(result: TurnResult, built: list[int] | None, prompt_ids: list[int],
     """Fill ``reusable_tokens``, ``eligible`` and ``fired`` of ``result``."""
     if built is None or not prompt_ids:
         return
-    result.reusable_tokens = common_prefix_tokens(built, prompt_ids)
+    result.reusable_tokens = reusable_prefix_tokens(built, prompt_ids)
     result.eligible, result.fired = reuse_verdict(
         result.reusable_tokens, result.reused_tokens, block_size=block_size,
         recompute_threshold_tokens=threshold)

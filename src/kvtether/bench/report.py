@@ -118,7 +118,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         "",
         "TTFT: streamed turns 2+ (time to the first token through the SDK). Eligible: turn 2+ "
         "whose prompt repeats at least `kv_recompute_threshold` tokens of what the previous "
-        "turn built (prompt + answer); fired: it recomputed less than a block of those. "
+        "turn built (prompt + answer, less the answer's last token, which has no KV); fired: it "
+        "recomputed less than a block of those. "
         "Retained KV: `vllm:kv_cache_usage_perc` x capacity on the decode instances (the "
         "colocated instance: blocks of running requests only; its prefix cache is evictable), "
         "sampled every 0.5 s until the held KV was gone, x the compression factor.",

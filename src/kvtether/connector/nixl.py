@@ -83,9 +83,11 @@ from kvtether.connector._settings import ConnectorSettings  # noqa: E402
 from kvtether.connector._stall import process_watch, rpcs_watched  # noqa: E402
 from kvtether.errors import ConfigError  # noqa: E402
 from kvtether.protocol import (  # noqa: E402
+    KV_PARAM_CACHED_TOKENS,
     KV_PARAM_HANDLE_KEY,
     KV_PARAM_LEASE_KEY,
     KV_PARAM_LEASE_TTL_S,
+    KV_PARAM_LOCAL_PREFILL,
     KV_PARAM_OUTPUT_TOKEN_IDS,
     KV_PARAM_PROMPT_TOKEN_IDS,
     KV_PARAM_PULL,
@@ -129,6 +131,9 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
             op_timeout_s=self.settings.op_timeout_s,
         )
         self._pulls: dict[str, PullRecord] = {}
+        # Local-prefill turns (decode computes the new tokens on the KV it retains): request id
+        # -> prompt tokens found in this engine's own prefix cache.
+        self._local_hits: dict[str, int] = {}
         # Request id -> [first taken up by the scheduler, KV read started, read done]
         # (time.time(), like vLLM's request.arrival_time): the leg's EngineTimings.
         self._timings: dict[str, list[float | None]] = {}
@@ -229,6 +234,11 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
         if request.kv_transfer_params:
             self._timings.setdefault(request.request_id, [time.time(), None, None])
         params = request.kv_transfer_params
+        if params and params.get(KV_PARAM_LOCAL_PREFILL):
+            # vLLM passes the prompt tokens its prefix cache holds: for a local-prefill turn,
+            # the conversation's retained KV (its blocks are held, so they are hits).
+            self._local_hits.setdefault(request.request_id, num_computed_tokens)
+            return 0, False
         if not _is_decode_handle(params):
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
         assert params is not None
@@ -260,6 +270,12 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params
+        if params and params.get(KV_PARAM_LOCAL_PREFILL):
+            # Retained when it finishes, like a P/D decode request: the worker tracks it for a
+            # remote reader (upstream does this only for requests that took the P/D path).
+            self._reqs_in_batch.add(request.request_id)
+            params["_remote_blocks_processed"] = True
+            return
         record = self._pulls.get(request.request_id)
         if record is not None and params is not None and not params.get("_remote_blocks_processed"):
             record.allocated(num_external_tokens)
@@ -274,6 +290,7 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
         params = request.kv_transfer_params
         record = self._pulls.pop(request.request_id, None)
         timings = self._engine_timings(request)
+        local_hit = self._local_hits.pop(request.request_id, None)
         if not params:
             return super().request_finished(request, block_ids)
         key = params.get(KV_PARAM_HANDLE_KEY)
@@ -308,6 +325,8 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
             if key:
                 self.leases.not_retained(str(key), request.request_id)
             return delay, out
+        if local_hit is not None:
+            out[KV_PARAM_CACHED_TOKENS] = local_hit
         return delay, self._open_lease(request, out, str(key or request.request_id), params)
 
     def _engine_timings(self, request: Request) -> dict[str, float | None] | None:

@@ -44,6 +44,10 @@ KV_PARAM_PREFIX_BREAK = "kvtether_prefix_break"  # P: the prompt differs from D'
 KV_PARAM_REUSED_TOKENS = "kvtether_reused_tokens"  # P: tokens actually read from D
 KV_PARAM_PULL = "kvtether_pull"  # P: a PullOutcome value
 KV_PARAM_TIMINGS = "kvtether_timings"  # P and D -> router: EngineTimings of the leg
+# router -> D: no prefill leg; D computes the turn's new tokens itself on top of the KV it
+# retains for the conversation (its prefix cache), and retains the result as after a P/D turn.
+KV_PARAM_LOCAL_PREFILL = "kvtether_local_prefill"
+KV_PARAM_CACHED_TOKENS = "kvtether_cached_tokens"  # D -> router: prompt tokens it did not compute
 # router -> P and D: report the request's token ids (APIs whose answers carry none: Responses,
 # Messages); P answers with the prompt's, D adds the prompt's and the output's to its handle.
 KV_PARAM_REPORT_TOKEN_IDS = "kvtether_report_token_ids"

@@ -156,6 +156,8 @@ class TurnRecord(BaseModel):
     stream: bool = False
     prefill_instance: str | None = None
     decode_instance: str | None = None
+    # No prefill leg: decode computed the new tokens on the KV it retained (local prefill).
+    local_prefill: bool = False
     ttft_s: float | None = None
     latency_s: float | None = None
     started_unix_s: float = 0.0

@@ -48,6 +48,13 @@ def common_prefix_tokens(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def reusable_prefix_tokens(built: Sequence[int], prompt: Sequence[int]) -> int:
+    """Prompt tokens an earlier turn computed KV for: the common prefix of ``prompt`` and the
+    sequence that turn ``built`` (its prompt + output), less that sequence's last token, whose
+    KV no engine computed (a sequence ends when that token is sampled)."""
+    return common_prefix_tokens(built[:-1], prompt) if built else 0
+
+
 def tail_block_hash(token_ids: Sequence[int], block_size: int) -> str | None:
     """Hash of the trailing partial block of ``token_ids``, chained on its full blocks.
 

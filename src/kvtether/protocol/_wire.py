@@ -30,7 +30,8 @@ KVTETHER_BODY_FIELDS = (BODY_CONVERSATION_ID, BODY_HINTS)
 HEADER_REUSE = "X-KVTether-Reuse"  # "fired" or "miss:<cause>"
 HEADER_REUSED_TOKENS = "X-KVTether-Reused-Tokens"  # prompt tokens served from cached KV
 # Prompt tokens that repeat the sequence the conversation's previous finished turn built
-# (its prompt + output): the most this turn could have reused.
+# (its prompt + output, less the last output token, which has no KV): the most this turn
+# could have reused.
 HEADER_REUSABLE_TOKENS = "X-KVTether-Reusable-Tokens"
 # Where the turn's time went before decode began (TurnTimings.header_value()): the stages known
 # when the answer starts, "stage=seconds;...".

@@ -243,6 +243,13 @@ def reported_token_ids(handle: dict[str, Any] | None) -> tuple[list[int], list[i
     return _int_list(prompt), _int_list(output)
 
 
+def reported_cached_tokens(handle: dict[str, Any] | None) -> int | None:
+    """Take out of decode's handle the prompt tokens a local-prefill turn found in decode's
+    prefix cache (None when it reported none)."""
+    raw = handle.pop(p.KV_PARAM_CACHED_TOKENS, None) if isinstance(handle, dict) else None
+    return raw if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0 else None
+
+
 def _read_timeout(backend: Backend, timeout_s: float | None) -> float:
     """How long a leg waits for P's answer: ``timeout_s``, or the client's own if shorter."""
     own = backend.client.timeout.read

@@ -54,6 +54,10 @@ class RouterMetrics:
             "kvtether_prefill_leg_timeouts", "Prefill legs dropped after prefill_leg_timeout_s "
             "(their turns ran on decode alone)", registry=r,
         )
+        self.local_prefills = Counter(
+            "kvtether_local_prefill_turns", "Turns with no prefill leg: decode computed their "
+            "new tokens on the KV it retained (local_prefill_max_tokens)", registry=r,
+        )
         self.stalls = Counter(
             "kvtether_instance_stalls", "Times an instance was found stalled (an engine step "
             "waiting for its worker past stall_after_s; its legs in flight were given up)",

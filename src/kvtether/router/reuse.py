@@ -22,8 +22,8 @@ from kvtether.protocol import (
     KV_PARAM_BLOCK_HASHES,
     MissCause,
     ReuseOutcome,
-    common_prefix_tokens,
     matching_prefix_tokens,
+    reusable_prefix_tokens,
     reuse_verdict,
     truncate_handle,
 )
@@ -40,6 +40,16 @@ class ReusePlan:
     expected_reused_tokens: int
     cause: MissCause | None  # None: reuse should fire
     salvaged_tokens: int = 0  # for prefix_break: the whole-block prefix still read
+    # The prompt's tokens, where the router saw them (None: prefill's connector checks it).
+    prompt_token_ids: list[int] | None = None
+
+    @property
+    def new_tokens(self) -> int | None:
+        """Prompt tokens the turn must compute when the whole handle is reused; None when
+        the prompt's tokens are unknown here."""
+        if self.prompt_token_ids is None:
+            return None
+        return max(0, len(self.prompt_token_ids) - self.expected_reused_tokens)
 
 
 def plan_reuse(
@@ -79,7 +89,8 @@ def plan_reuse(
         handle = copy.deepcopy(retained.params)
         reusable = len(held)
         cause = None if reusable >= recompute_threshold_tokens else MissCause.BELOW_THRESHOLD
-        return ReusePlan(handle if cause is None else None, reusable if cause is None else 0, cause)
+        return ReusePlan(handle if cause is None else None, reusable if cause is None else 0, cause,
+                         prompt_token_ids=prompt_token_ids)
     if match < max(recompute_threshold_tokens, 1):
         return ReusePlan(None, 0, MissCause.PREFIX_BREAK, salvaged_tokens=0)
     handle = truncate_handle(retained.params, match // block_size, block_size)
@@ -137,7 +148,7 @@ def reuse_outcome(
     reused = max(0, min(cached_tokens, len(prompt_token_ids)))
     reusable = 0
     if previous_token_ids:
-        reusable = common_prefix_tokens(previous_token_ids, prompt_token_ids)
+        reusable = reusable_prefix_tokens(previous_token_ids, prompt_token_ids)
     if not conversation:
         return ReuseOutcome.miss(MissCause.NO_CONVERSATION_ID, reused, reusable)
     if previous_token_ids is None:
@@ -146,7 +157,7 @@ def reuse_outcome(
     eligible, fired = reuse_verdict(reusable, reused, block_size=block_size,
                                     recompute_threshold_tokens=recompute_threshold_tokens)
     if not eligible:
-        diverged = reusable < min(len(previous_token_ids), len(prompt_token_ids))
+        diverged = reusable < min(len(previous_token_ids) - 1, len(prompt_token_ids))
         cause = MissCause.PREFIX_BREAK if diverged else MissCause.BELOW_THRESHOLD
         return ReuseOutcome.miss(cause, reused, reusable)
     if fired:

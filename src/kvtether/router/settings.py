@@ -80,6 +80,14 @@ class RetentionSettings(BaseModel):
         "instances; past it the tenant's least recently used retained KV is released "
         "(null: no cap)",
     )
+    local_prefill_max_tokens: int = Field(
+        default=0, ge=0,
+        description="a turn that extends all the KV its decode instance retains for the "
+        "conversation by at most this many new prompt tokens skips the prefill leg: decode "
+        "computes them on that KV (found in its own prefix cache) and retains the result "
+        "under a new lease, with no KV transfer (conditional disaggregation; kvtether policy "
+        "and APIs the router can tokenize only; 0: every turn goes through prefill)",
+    )
     max_branches: int = Field(
         default=4, ge=1, le=64,
         description="live sequences (branches) per conversation: a turn whose conversation is "

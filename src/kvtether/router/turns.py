@@ -192,10 +192,13 @@ class TurnRunner:
                 # Handed to P, so consumed (D frees the blocks once read); no release or
                 # eviction may touch it meanwhile.
                 taken = self.retention.take(conv)
-        leg: legs.PrefillResult | None
+        holder = self.pool.by_name(taken.decode_instance) if taken is not None else None
+        # Few new tokens on top of what decode holds: decode computes them there, no transfer.
+        local = holder is not None and self._prefills_locally(plan, holder)
+        leg: legs.PrefillResult | None = None
         try:
-            holder = self.pool.by_name(taken.decode_instance) if taken is not None else None
-            leg = await self._prefill_leg(prefill, refused, req, plan.handle, holder)
+            if not local:
+                leg = await self._prefill_leg(prefill, refused, req, plan.handle, holder)
         except legs.PrefillTimedOut as exc:
             # A frozen or hopelessly queued prefill: decode answers alone (recomputing the
             # prompt). A handle taken for the leg stays under its hand-off lease: P may still
@@ -221,11 +224,15 @@ class TurnRunner:
             self._release_unread(taken)
 
         kvtether = self.s.reuse_policy == "kvtether"
-        # Decode alone (no prefill leg) keeps nothing: vLLM retains only a P/D request's KV.
-        handle_key = uuid.uuid4().hex if kvtether and leg is not None else None
+        # Decode alone (no prefill leg) keeps nothing: vLLM retains only a P/D request's KV,
+        # and a local-prefill request's (kvtether's connector tracks it as one).
+        handle_key = uuid.uuid4().hex if kvtether and (leg is not None or local) else None
         body = dict(req.body)
         if req.api.token_ids_in_answer:
             body["return_token_ids"] = True
+        if local:
+            body["kv_transfer_params"] = {p.KV_PARAM_LOCAL_PREFILL: True}
+            self.deps.metrics.local_prefills.inc()
         if leg is not None:
             body["kv_transfer_params"] = dict(leg.params)
             if not req.api.token_ids_in_answer:
@@ -238,15 +245,36 @@ class TurnRunner:
                 p.KV_PARAM_LEASE_TTL_S: self._initial_lease_s(req.hints),
             })
         preferred = conv.decode_instance if conv is not None and kvtether else None
+        if local:
+            assert holder is not None
+            preferred = holder.name
         decode_sent = clock.now_unix_s()
-        decode, upstream = await legs.open_decode(
-            self.pool, preferred, req.endpoint, body, req.request_id, round_robin=not kvtether,
-            stream_idle_timeout_s=self.s.stream_idle_timeout_s,
-            source=leg.prefill if leg is not None else None,
-        )
+        try:
+            decode, upstream = await legs.open_decode(
+                self.pool, preferred, req.endpoint, body, req.request_id,
+                round_robin=not kvtether, stream_idle_timeout_s=self.s.stream_idle_timeout_s,
+                source=leg.prefill if leg is not None else None,
+            )
+        except BaseException:
+            if local and conv is not None and taken is not None:
+                self.retention.restore(conv, taken)  # still held on decode, unread
+            raise
         if conv is not None:
             conv.decode_instance = decode.name
-        if leg is not None:
+        if local:
+            assert conv is not None and taken is not None and plan.prompt_token_ids is not None
+            moved = decode.name != preferred
+            if moved:
+                # Another decode instance recomputes the whole prompt; the KV held on the
+                # first is read by nobody now.
+                self._release_unread(taken)
+            outcome = reuse_outcome(
+                plan, plan.prompt_token_ids,
+                0 if moved else _local_prefix_hit(plan, self.s.kv_block_size_tokens), previous,
+                conversation=True, decode_lost=moved, block_size=self.s.kv_block_size_tokens,
+                recompute_threshold_tokens=self.s.kv_recompute_threshold_tokens,
+            )
+        elif leg is not None:
             outcome = reuse_outcome(
                 plan, leg.prompt_token_ids, leg.cached_tokens, previous,
                 conversation=conv is not None,
@@ -263,10 +291,12 @@ class TurnRunner:
             outcome=outcome.label,
             reused_tokens=outcome.reused_tokens,
             reusable_tokens=outcome.reusable_tokens,
-            prompt_tokens=len(leg.prompt_token_ids) if leg is not None else 0,
+            prompt_tokens=(len(leg.prompt_token_ids) if leg is not None
+                           else len(plan.prompt_token_ids or ()) if local else 0),
             stream=req.stream,
             prefill_instance=leg.prefill.name if leg is not None else None,
             decode_instance=decode.name,
+            local_prefill=local,
             started_unix_s=received,
             timings=timings,
         )
@@ -289,7 +319,13 @@ class TurnRunner:
             ctx.prompt_ids = list(leg.prompt_token_ids)  # D's report replaces these, if any
 
         async def settle(ctx: TurnContext, handle: dict[str, Any] | None) -> None:
+            cached = legs.reported_cached_tokens(handle)
+            if local and cached is not None and plan.prompt_token_ids is not None:
+                self._check_local_hit(ctx.record, plan, cached, previous)
             await self._settle(ctx, handle, req.hints)
+            if local and taken is not None and ctx.decode.name == preferred:
+                # The new lease holds the same blocks (vLLM shares them): the old one goes.
+                self._release_unread(taken)
             if held is not None:
                 # Saved before the client sees the end of the answer: its next turn may go
                 # to another replica at once.
@@ -304,17 +340,53 @@ class TurnRunner:
             fetch = ((lambda: self.deps.leases.fetch_handle(decode, ctx.handle_key))
                      if kvtether else no_handle)
             relay = relay_events if req.api.named_events else relay_stream
-            return relay(
-                ctx, settle, fetch, self.deps.clock, self.deps.metrics,
-                release_unsettled=lambda: self.deps.leases.release(decode, ctx.handle_key),
-            )
-        return await relay_once(ctx, settle, self.deps.clock)
+
+            async def release_unsettled() -> None:
+                await self.deps.leases.release(decode, ctx.handle_key)
+                if local and taken is not None:
+                    self._release_unread(taken)
+
+            return relay(ctx, settle, fetch, self.deps.clock, self.deps.metrics,
+                         release_unsettled=release_unsettled)
+        try:
+            return await relay_once(ctx, settle, self.deps.clock)
+        except BaseException:
+            if local and taken is not None and ctx.decode.name == preferred:
+                self._release_unread(taken)
+            raise
 
     def _release_unread(self, taken: RetainedKV) -> None:
         holder = self.pool.by_name(taken.decode_instance)
         if holder is None or not taken.handle_key:
             return
         in_background(self.deps.leases.release(holder, taken.handle_key))
+
+    def _prefills_locally(self, plan: ReusePlan, holder: Backend) -> bool:
+        """Whether decode computes this turn's new tokens itself (``local_prefill_max_tokens``):
+        the prompt extends everything decode holds for the conversation, by few tokens, and
+        decode is there to take it."""
+        new = plan.new_tokens
+        return (
+            self.s.reuse_policy == "kvtether" and plan.cause is None
+            and plan.handle is not None and new is not None
+            and 0 < new <= self.s.local_prefill_max_tokens and holder.available
+        )
+
+    def _check_local_hit(self, record: p.TurnRecord, plan: ReusePlan, cached: int,
+                         previous: list[int] | None) -> None:
+        """The turn record gets what decode's engine reported it did not compute; the label
+        the response's headers promised is checked against it."""
+        assert plan.prompt_token_ids is not None
+        measured = reuse_outcome(
+            plan, plan.prompt_token_ids, cached, previous, conversation=True, decode_lost=False,
+            block_size=self.s.kv_block_size_tokens,
+            recompute_threshold_tokens=self.s.kv_recompute_threshold_tokens,
+        )
+        if measured.label != record.outcome:
+            logger.warning("local-prefill turn %d: decode found %d prompt tokens in its cache, "
+                           "%d expected; recorded as %s", record.turn, cached,
+                           record.reused_tokens, measured.label)
+        record.outcome, record.reused_tokens = measured.label, measured.reused_tokens
 
     def _pick_prefill(self, refused: set[str]) -> Backend:
         """The prefill instance for this turn, skipping those that refused it a connection."""
@@ -499,6 +571,12 @@ def _decode_alone_outcome(
     if plan.handle is None:
         return p.ReuseOutcome.miss(p.MissCause.NOT_RETAINED)
     return p.ReuseOutcome.miss(p.MissCause.TRANSFER_FAILED, 0, plan.expected_reused_tokens)
+
+
+def _local_prefix_hit(plan: ReusePlan, block_size: int) -> int:
+    """Prompt tokens decode's prefix cache holds for a local-prefill turn: the whole blocks of
+    what it retains (vLLM hashes whole blocks only)."""
+    return plan.expected_reused_tokens // block_size * block_size
 
 
 def _valid_handle(h: Any) -> bool:

@@ -39,14 +39,23 @@ _CPU: dict[str, Any] = {
     # vLLM's own step size (a tiny model's steps cost milliseconds whatever their size).
     "max_num_batched_tokens": None,
     "long_prefill_token_threshold": None,
+    # Every turn through prefill: the tests exercise the D->P read (the router's own default).
+    "local_prefill_max_tokens": 0,
 }
 # SmolLM2 on one core computes ~150-300 prompt tokens a second: a step of vLLM's default 2,048
 # tokens runs 7-13 s, and a turn that arrives meanwhile waits for all of it even when it has
 # 16 new tokens to compute. Smaller steps, and a cap on how much of one long prompt a step
 # takes, let such a turn in at the next step (docs/cpu-hosts.md, measured there).
+#
+# A turn that adds at most one such step of tokens to what its decode instance retains is
+# computed there (conditional disaggregation, `local_prefill_max_tokens`): with many agents at
+# once the one prefill core is the queue every turn waits in, while the decode core has room;
+# a 2-5 s prefill leg (queue, D->P read at a step boundary, compute beside others) becomes a
+# step on decode (docs/cpu-hosts.md, measured there).
 _CPU_SMALL_STEPS: dict[str, Any] = {
     "max_num_batched_tokens": 256,
     "long_prefill_token_threshold": 128,
+    "local_prefill_max_tokens": 256,
 }
 
 PROFILES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
@@ -81,6 +90,9 @@ PROFILES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 "vllm_env": {},
                 "max_num_batched_tokens": None,
                 "long_prefill_token_threshold": None,
+                # Every turn through prefill: on GPUs a KV read costs milliseconds over RDMA
+                # and decode's inter-token latency is what a prefill on decode would stretch.
+                "local_prefill_max_tokens": 0,
                 "prepared_model": "smol",
                 "max_model_len_tokens": 8192,
             }

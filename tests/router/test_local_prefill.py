@@ -1,0 +1,100 @@
+"""Local prefill (``local_prefill_max_tokens``): a turn that adds few tokens to what its decode
+instance holds skips the prefill leg; decode computes them on its retained KV and retains the
+result under a new lease, and the old lease is released."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtether import protocol as p
+from tests.support.fake_vllm import BLOCK_SIZE
+from tests.support.router_harness import make_router
+
+FAKE = {"kvtether_connector": True}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_short_turn_is_computed_on_decode_and_keeps_its_kv(stream: bool) -> None:
+    async with make_router(control=True, fake=FAKE, local_prefill_max_tokens=200) as h:
+        agent = h.conversation("local")
+        await agent.say("first question " * 20, stream=stream)
+        first_key = h.d.decode_params[0][p.KV_PARAM_HANDLE_KEY]
+        prefills = len(h.p.prefill_requests)
+        t2 = await agent.say("short tool output " * 10, stream=stream)
+        t3 = await agent.say("another short result " * 10, stream=stream)
+
+        # No prefill leg for turns 2 and 3: decode got the local-prefill flag and a new key.
+        assert len(h.p.prefill_requests) == prefills
+        sent = h.d.decode_params[1:]
+        assert [d.get(p.KV_PARAM_LOCAL_PREFILL) for d in sent] == [True, True]
+        assert all("remote_block_ids" not in d for d in sent)
+        keys = [d[p.KV_PARAM_HANDLE_KEY] for d in sent]
+        assert len({first_key, *keys}) == 3
+
+        # Reuse fired: what decode held, in whole blocks, was not computed again.
+        for turn in (t2, t3):
+            assert turn.outcome == "fired"
+            assert turn.reused > 0 and turn.reused % BLOCK_SIZE == 0
+        status = p.SessionStatus.model_validate(
+            (await h.client.get("/v1/sessions/local")).json())
+        assert [t.local_prefill for t in status.turns] == [False, True, True]
+        assert [t.prefill_instance for t in status.turns][1:] == [None, None]
+        assert status.turns[2].reused_tokens == t3.reused  # decode's report agrees
+        assert status.turns[2].timings.prefill_leg_s is None
+        assert status.turns[2].timings.decode is not None
+
+        # One lease left: turn 3's. The earlier ones were released, not left to lapse.
+        held = h.d.held_leases()
+        assert [r.lease_key for r in held] == [keys[-1]]
+        assert status.retained_tokens and status.retained_tokens > t3.reused
+        assert await h.metric("kvtether_local_prefill_turns_total") == 2
+        h.assert_kv_correct()
+
+
+async def test_a_long_turn_still_goes_through_prefill() -> None:
+    async with make_router(control=True, fake=FAKE, local_prefill_max_tokens=50) as h:
+        agent = h.conversation("long")
+        await agent.say("first question " * 20)
+        t2 = await agent.say("a long tool output " * 40)
+        assert t2.outcome == "fired"
+        assert len(h.p.prefill_requests) == 2
+        assert p.KV_PARAM_LOCAL_PREFILL not in h.d.decode_params[1]
+        assert await h.metric("kvtether_local_prefill_turns_total") == 0
+
+
+async def test_off_by_default_every_turn_goes_through_prefill() -> None:
+    async with make_router(control=True, fake=FAKE) as h:
+        agent = h.conversation("default")
+        await agent.say("first question " * 20)
+        assert (await agent.say("ok")).outcome == "fired"
+        assert len(h.p.prefill_requests) == 2
+
+
+async def test_a_rewritten_history_is_never_computed_locally() -> None:
+    async with make_router(control=True, fake=FAKE, local_prefill_max_tokens=10_000) as h:
+        agent = h.conversation("rewritten")
+        await agent.say("first question " * 20)
+        await agent.say("second question " * 5)
+        agent.messages[1]["content"] = "an edited first question " * 20
+        t3 = await agent.say("third")
+        # What still matches (the system prompt) is read by prefill, checked block by block.
+        assert int(t3.headers[p.HEADER_SALVAGED_TOKENS]) > 0
+        assert p.KV_PARAM_LOCAL_PREFILL not in h.d.decode_params[-1]
+        assert len(h.p.prefill_requests) == 2  # turn 1 and turn 3
+        h.assert_kv_correct()
+
+
+async def test_a_short_turn_whose_decode_died_is_answered_by_another() -> None:
+    async with make_router(control=True, fake=FAKE, n_decode=2,
+                           local_prefill_max_tokens=200) as h:
+        agent = h.conversation("moved")
+        t1 = await agent.say("first question " * 20)
+        home = t1.headers[p.HEADER_DECODE_INSTANCE]
+        h.decode[int(home[-1])].down = True  # not noticed yet: the local leg is refused
+        t2 = await agent.say("short")
+        assert t2.status == 200 and t2.outcome == "miss:decode_unavailable"
+        assert t2.headers[p.HEADER_DECODE_INSTANCE] != home
+        t3 = await agent.say("short again")
+        assert t3.outcome == "fired"  # on the new decode instance, locally
+        assert t3.headers[p.HEADER_DECODE_INSTANCE] == t2.headers[p.HEADER_DECODE_INSTANCE]
+        h.assert_kv_correct()
