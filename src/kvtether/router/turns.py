@@ -263,11 +263,7 @@ class TurnRunner:
             conv.decode_instance = decode.name
         if local:
             assert conv is not None and taken is not None and plan.prompt_token_ids is not None
-            moved = decode.name != preferred
-            if moved:
-                # Another decode instance recomputes the whole prompt; the KV held on the
-                # first is read by nobody now.
-                self._release_unread(taken)
+            moved = decode.name != preferred  # another decode instance recomputes it all
             outcome = reuse_outcome(
                 plan, plan.prompt_token_ids,
                 0 if moved else _local_prefix_hit(plan, self.s.kv_block_size_tokens), previous,
@@ -318,14 +314,18 @@ class TurnRunner:
         if not req.api.token_ids_in_answer and leg is not None:
             ctx.prompt_ids = list(leg.prompt_token_ids)  # D's report replaces these, if any
 
+        def release_old() -> None:
+            # A local-prefill turn ended (answered or not): the KV it started from is either
+            # shared by its new lease (vLLM shares the blocks) or read by nobody.
+            if local and taken is not None:
+                self._release_unread(taken)
+
         async def settle(ctx: TurnContext, handle: dict[str, Any] | None) -> None:
             cached = legs.reported_cached_tokens(handle)
             if local and cached is not None and plan.prompt_token_ids is not None:
                 self._check_local_hit(ctx.record, plan, cached, previous)
             await self._settle(ctx, handle, req.hints)
-            if local and taken is not None and ctx.decode.name == preferred:
-                # The new lease holds the same blocks (vLLM shares them): the old one goes.
-                self._release_unread(taken)
+            release_old()
             if held is not None:
                 # Saved before the client sees the end of the answer: its next turn may go
                 # to another replica at once.
@@ -343,16 +343,14 @@ class TurnRunner:
 
             async def release_unsettled() -> None:
                 await self.deps.leases.release(decode, ctx.handle_key)
-                if local and taken is not None:
-                    self._release_unread(taken)
+                release_old()
 
             return relay(ctx, settle, fetch, self.deps.clock, self.deps.metrics,
                          release_unsettled=release_unsettled)
         try:
             return await relay_once(ctx, settle, self.deps.clock)
         except BaseException:
-            if local and taken is not None and ctx.decode.name == preferred:
-                self._release_unread(taken)
+            release_old()
             raise
 
     def _release_unread(self, taken: RetainedKV) -> None:
