@@ -42,6 +42,10 @@ async def test_a_short_turn_is_computed_on_decode_and_keeps_its_kv(stream: bool)
         assert status.turns[2].reused_tokens == t3.reused  # decode's report agrees
         assert status.turns[2].timings.prefill_leg_s is None
         assert status.turns[2].timings.decode is not None
+        # No handle goes to prefill, so the lease is not extended for a prefill queue (a
+        # renewal waits for one of decode's steps).
+        assert h.d.renewals == []
+        assert [t.timings.plan_lease_s for t in status.turns] == [None, None, None]
 
         # One lease left: turn 3's. The earlier ones were released, not left to lapse.
         held = h.d.held_leases()
@@ -58,6 +62,8 @@ async def test_a_long_turn_still_goes_through_prefill() -> None:
         t2 = await agent.say("a long tool output " * 40)
         assert t2.outcome == "fired"
         assert len(h.p.prefill_requests) == 2
+        # Its handle went to prefill with the lease extended to outlive prefill's queue.
+        assert len(h.d.renewals) == 1
         assert p.KV_PARAM_LOCAL_PREFILL not in h.d.decode_params[1]
         assert await h.metric("kvtether_local_prefill_turns_total") == 0
 

@@ -32,6 +32,13 @@ async def test_each_turn_records_where_its_time_went(stream: bool) -> None:
             assert (t.decode_first_token_s is not None) is stream
             if stream:
                 assert t.decode_first_token_s <= turn.ttft_s
+        # Turn 2 had KV to reuse: its plan tokenized the prompt and checked the lease, each timed.
+        plan2 = status.turns[1].timings
+        assert plan2.plan_tokenize_s is not None and plan2.plan_lease_s is not None
+        assert plan2.plan_lease_s <= plan2.plan_s
+        # (with branches on, the default, it was tokenized while its branch was chosen)
+        assert plan2.plan_tokenize_s <= plan2.router_wait_s
+        assert status.turns[0].timings.plan_tokenize_s is None  # nothing retained to check
         # The stages known when the answer starts also travel in a header (for the client).
         sent = p.parse_timings_header(agent.turns[-1].headers[p.HEADER_TIMINGS])
         assert {"router_wait", "plan", "prefill_leg", "prefill_queue", "prefill_read"} <= set(sent)

@@ -102,7 +102,8 @@ class TurnTimings(BaseModel):
 
     From the router's clock: ``router_wait_s`` (waiting for the conversation: another turn of
     it in flight, the store), ``plan_s`` (prefill's ``/tokenize`` for the prefix check, with the
-    lease check on decode alongside), ``prefill_leg_s`` (the prefill request, end to end),
+    lease check on decode alongside; each of the two alone in ``plan_tokenize_s`` and
+    ``plan_lease_s``), ``prefill_leg_s`` (the prefill request, end to end),
     ``decode_first_token_s`` (decode leg sent until its first token reached the router; streamed
     turns). From the connectors inside vLLM: ``prefill`` and ``decode``
     (:class:`EngineTimings`).
@@ -110,6 +111,8 @@ class TurnTimings(BaseModel):
 
     router_wait_s: float | None = None
     plan_s: float | None = None
+    plan_tokenize_s: float | None = None
+    plan_lease_s: float | None = None
     prefill_leg_s: float | None = None
     decode_first_token_s: float | None = None
     prefill: EngineTimings | None = None
@@ -119,6 +122,7 @@ class TurnTimings(BaseModel):
         """Flat ``stage -> seconds`` of what was measured (metric labels, tables)."""
         out = {k: v for k, v in (
             ("router_wait", self.router_wait_s), ("plan", self.plan_s),
+            ("plan_tokenize", self.plan_tokenize_s), ("plan_lease", self.plan_lease_s),
             ("prefill_leg", self.prefill_leg_s), ("decode_first_token", self.decode_first_token_s),
         ) if v is not None}
         for leg, engine in (("prefill", self.prefill), ("decode", self.decode)):
