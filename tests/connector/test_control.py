@@ -100,6 +100,22 @@ def test_handle_long_poll_renew_and_release(stack: tuple[httpx.Client, FakeEngin
     assert client.get("/handles/conv-1%2Ft1").status_code == 410
 
 
+def test_a_release_that_does_not_wait_answers_once_applied(
+    stack: tuple[httpx.Client, FakeEngine],
+) -> None:
+    """``wait_s=0`` (what the router sends): answered once the engine loop applied it, 202 if
+    the worker has not freed the blocks yet (this fake frees them in the same step, so either
+    answer); they end up freed all the same."""
+    client, engine = stack
+    engine.finish_turn("quick", "r-quick", ttl_s=30)
+    released = client.delete("/leases/quick", params={"wait_s": 0})
+    assert released.status_code in (200, 202), released.text
+    assert released.json()["state"] in ("releasing", "released")
+    wait_for(lambda: client.get("/leases/quick").json()["state"] == "released",
+             timeout_s=10, interval_s=0.02, message="lease released")
+    assert client.delete("/leases/quick", params={"wait_s": "soon"}).status_code == 400
+
+
 def test_expiry_and_consumption_are_visible(stack: tuple[httpx.Client, FakeEngine]) -> None:
     client, engine = stack
     engine.finish_turn("short", "r-short", ttl_s=0.3)

@@ -131,6 +131,19 @@ def test_release_frees_at_once_and_reports_released(clock: FakeClock) -> None:
     assert table.counters()["leases_released"] == 1
 
 
+def test_release_without_waiting_answers_202_once_applied(clock: FakeClock) -> None:
+    table = make_table(clock)
+    open_lease(table)
+    sink: dict[str, float] = {}
+    thread = engine_step_soon(table, sink)  # applies it; the worker frees nothing yet
+    reply = table.release("k1", wait_s=0)
+    thread.join()
+    assert reply.status == 202 and reply.body["state"] == "releasing"
+    assert sink == {"r1": 1000.0}  # the worker is told to free it at once
+    table.on_freed(["r1"])
+    assert table.lease("k1").body["state"] == "released"
+
+
 def test_freed_after_deadline_is_expired_before_is_consumed(clock: FakeClock) -> None:
     table = make_table(clock)
     open_lease(table, "a", "ra", ttl_s=5)

@@ -192,7 +192,8 @@ class _Handler(BaseHTTPRequestHandler):
             case "GET", ["leases", key]:
                 return self._json(table.lease(key))
             case "DELETE", ["leases", key]:
-                return self._json(table.release(key))
+                wait = _wait_s(url.query) if "wait_s" in parse_qs(url.query) else None
+                return self._json(table.release(key, wait))
             case "POST", ["leases", key, "renew"]:
                 body = self._body(LeaseRenewRequest)
                 return self._json(table.renew(key, body.ttl_s))

@@ -232,11 +232,15 @@ class LeaseTable:
     def renew(self, key: str, ttl_s: float) -> Reply:
         return self._submit(_Op("renew", key, ttl_s))
 
-    def release(self, key: str) -> Reply:
+    def release(self, key: str, wait_s: float | None = None) -> Reply:
+        """Start freeing ``key``'s blocks (applied at the next engine step), then wait up to
+        ``wait_s`` (default ``op_timeout_s``) for the worker to have freed them: 200 with the
+        final state once freed, else 202 (releasing; freed within a step or two)."""
         reply = self._submit(_Op("release", key))
         if reply.status != 202:
             return reply
-        end = self._clock() + self.op_timeout_s
+        wait = self.op_timeout_s if wait_s is None else min(wait_s, self.op_timeout_s)
+        end = self._clock() + wait
         with self._cond:
             self._cond.wait_for(lambda: key not in self._live, max(0.0, end - self._clock()))
             lease = self._ended.get(key)

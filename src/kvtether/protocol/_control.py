@@ -20,7 +20,9 @@ from kvtether.protocol._wire import PROTOCOL_VERSION
 #   GET    /kvtether/v1/leases                  LeaseList
 #   GET    /kvtether/v1/leases/{key}            LeaseInfo
 #   POST   /kvtether/v1/leases/{key}/renew      LeaseRenewRequest -> LeaseInfo
-#   DELETE /kvtether/v1/leases/{key}            LeaseInfo (state "released" once freed)
+#   DELETE /kvtether/v1/leases/{key}?wait_s=0   LeaseInfo: 200 (state "released") once
+#                                               freed, 202 while being freed (after at most
+#                                               wait_s; default 10 s)
 #   GET    /kvtether/v1/handles/{key}?wait_s=5  HandleResponse (long-poll until published)
 #   GET    /kvtether/v1/metrics                 Prometheus text
 #

@@ -137,15 +137,18 @@ class LeaseClient:
         if not decode.control_url or not key:
             return False
         try:
+            # wait_s=0: answered once decode's engine loop has applied the release (the next
+            # step), not once its worker has freed the blocks (a step or two later: more than a
+            # session client's 2 s on a loaded CPU decode, seen in a 16-conversation soak).
             r = await decode.client.delete(
                 f"{decode.control_url}{_PREFIX}/leases/{key}", headers=self._headers,
-                timeout=self._timeout_s,
+                params={"wait_s": 0}, timeout=self._timeout_s,
             )
         except httpx.HTTPError as exc:
             logger.warning("lease release on %s failed: %r", decode.name, exc)
             return False
         _check_refused(decode, r)
-        return r.status_code in (200, 204)
+        return r.status_code in (200, 202, 204)
 
 
 def _check_refused(decode: Backend, r: httpx.Response) -> None:
