@@ -192,8 +192,7 @@ class _Handler(BaseHTTPRequestHandler):
             case "GET", ["leases", key]:
                 return self._json(table.lease(key))
             case "DELETE", ["leases", key]:
-                wait = _wait_s(url.query) if "wait_s" in parse_qs(url.query) else None
-                return self._json(table.release(key, wait))
+                return self._json(table.release(key, _wait_s(url.query, default=None)))
             case "POST", ["leases", key, "renew"]:
                 body = self._body(LeaseRenewRequest)
                 return self._json(table.renew(key, body.ttl_s))
@@ -239,10 +238,10 @@ class _BadRequest(_Refused):
         super().__init__(400, message)
 
 
-def _wait_s(query: str) -> float:
+def _wait_s(query: str, default: float | None = 0.0) -> float | None:
     values = parse_qs(query).get("wait_s")
     if not values:
-        return 0.0
+        return default
     try:
         wait = float(values[0])
     except ValueError:

@@ -126,13 +126,10 @@ class TurnRunner:
         async def tokenize() -> list[int] | None:
             if prefill is None:
                 return None
-            t0 = self.deps.clock.now_unix_s()
             try:
-                return await legs.tokenize(prefill, req.endpoint, req.body)
+                return await self._tokenize(req, prefill)
             except RouterHTTPError:
                 return None  # the prefill leg meets (and reports) the same problem
-            finally:
-                req.tokenize_s = self.deps.clock.now_unix_s() - t0
 
         choice = await hold_branch(
             self.deps.store, req.conversation_id, req.tenant,
@@ -141,6 +138,15 @@ class TurnRunner:
         )
         req.prompt_ids = choice.prompt_ids
         return choice.held
+
+    async def _tokenize(self, req: TurnRequest, prefill: Backend) -> list[int] | None:
+        """The prompt's token ids from ``prefill`` (:func:`legs.tokenize`), the call timed in
+        ``req.tokenize_s``."""
+        t0 = self.deps.clock.now_unix_s()
+        try:
+            return await legs.tokenize(prefill, req.endpoint, req.body)
+        finally:
+            req.tokenize_s = self.deps.clock.now_unix_s() - t0
 
     async def _commit(self, held: HeldConversation) -> None:
         """Save the conversation and let it go; free its KV if a release came meanwhile."""
@@ -454,12 +460,6 @@ class TurnRunner:
             await self.retention.extend_for_handoff(conv)
             timings.plan_lease_s = clock.now_unix_s() - t0
 
-        async def tokenize() -> list[int] | None:
-            t0 = clock.now_unix_s()
-            ids = await legs.tokenize(prefill, req.endpoint, req.body)
-            timings.plan_tokenize_s = clock.now_unix_s() - t0
-            return ids
-
         prompt_ids = None
         if conv.retained is not None and not req.api.token_ids_in_answer:
             # Responses / Messages: vLLM has no /tokenize for these; prefill's connector checks
@@ -478,7 +478,8 @@ class TurnRunner:
                 return local
             await lease()
         elif conv.retained is not None:
-            prompt_ids, _ = await asyncio.gather(tokenize(), lease())
+            prompt_ids, _ = await asyncio.gather(self._tokenize(req, prefill), lease())
+            timings.plan_tokenize_s = req.tokenize_s
         # No await from here until the handle is taken: a DELETE or eviction meanwhile has
         # already dropped conv.retained, and the plan says so.
         return plan(prompt_ids)
