@@ -224,6 +224,8 @@ def test_the_contract_s_public_names_are_pinned() -> None:
         "PREFILL_READ_MARGIN_S",
         "PROTOCOL_VERSION",
         "Phase",
+        "PrefixCacheAnswer",
+        "PrefixCacheQuery",
         "PullOutcome",
         "ReuseOutcome",
         "SessionStatus",

@@ -17,7 +17,13 @@ import pytest
 
 from kvtether.connector._control import ControlServer, render_metrics
 from kvtether.connector._leases import LeaseTable
-from kvtether.protocol import ConnectorStatus, HandleResponse, LeaseInfo, LeaseList
+from kvtether.protocol import (
+    ConnectorStatus,
+    HandleResponse,
+    LeaseInfo,
+    LeaseList,
+    PrefixCacheAnswer,
+)
 from tests.support.waiting import wait_for
 
 
@@ -148,6 +154,38 @@ def test_bad_requests_get_clear_errors(stack: tuple[httpx.Client, FakeEngine]) -
     assert client.get("/handles/unknown", params={"wait_s": 0.1}).status_code == 404
 
 
+def test_prefix_cache_lookups_answer_from_the_engine_or_say_they_cannot() -> None:
+    table = LeaseTable(op_timeout_s=5.0)
+    asked: list[list[int]] = []
+
+    def lookup(token_ids: list[int]) -> PrefixCacheAnswer:
+        asked.append(token_ids)
+        return PrefixCacheAnswer(cached_tokens=len(token_ids) // 16 * 16, block_size=16)
+
+    with_lookup = ControlServer(table, lambda: status_of(table), "127.0.0.1", 0,
+                                prefix_cache=lookup)
+    without = ControlServer(table, lambda: status_of(table), "127.0.0.1", 0)
+    for server in (with_lookup, without):
+        server.start()
+    try:
+        url = f"http://127.0.0.1:{with_lookup.port}/kvtether/v1/prefix-cache"
+        r = httpx.post(url, json={"token_ids": list(range(40))})
+        assert r.status_code == 200
+        assert PrefixCacheAnswer.model_validate(r.json()).cached_tokens == 32
+        assert asked == [list(range(40))]
+        for bad in ({"token_ids": "1 2 3"}, {"tokens": [1]}, {"token_ids": [1], "x": 1}):
+            r = httpx.post(url, json=bad)
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        assert len(asked) == 1
+        r = httpx.post(f"http://127.0.0.1:{without.port}/kvtether/v1/prefix-cache",
+                       json={"token_ids": [1, 2]})
+        assert r.status_code == 501 and r.json()["error"]["code"] == "not_supported"
+        assert "--scheduler-cls" in r.json()["error"]["message"]
+    finally:
+        with_lookup.close()
+        without.close()
+
+
 def test_render_metrics_has_gauges_and_counters() -> None:
     table = LeaseTable()
     table.open("k", "r", {}, retained_blocks=3, retained_tokens=90, ttl_s=10)
@@ -177,7 +215,7 @@ def test_every_route_needs_the_secret(guarded: tuple[str, FakeEngine]) -> None:
     engine.finish_turn("k", "r", ttl_s=30)
     calls = [("GET", "/status"), ("GET", "/metrics"), ("GET", "/leases"), ("GET", "/leases/k"),
              ("POST", "/leases/k/renew"), ("DELETE", "/leases/k"), ("GET", "/handles/k"),
-             ("GET", "/nothing")]
+             ("POST", "/prefix-cache"), ("GET", "/nothing")]
     for auth in (None, "Bearer wrong", f"Basic {SECRET}", SECRET, f"Bearer {SECRET}x"):
         headers = {"Authorization": auth} if auth else {}
         with httpx.Client(base_url=url, timeout=10, headers=headers) as client:

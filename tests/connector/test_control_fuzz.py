@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from kvtether.connector._control import ControlServer
 from kvtether.connector._leases import LeaseTable
+from kvtether.protocol import PrefixCacheAnswer
 
 from .test_control import FakeEngine, status_of
 
@@ -35,7 +36,9 @@ _INTERNAL = re.compile(r"Traceback|File \"|\.py\b|/src/kvtether|\b[A-Z]\w*(Error
 def control() -> Iterator[tuple[str, FakeEngine]]:
     table = LeaseTable(op_timeout_s=2.0)
     server = ControlServer(table, lambda: status_of(table), "127.0.0.1", 0, secret=SECRET,
-                           max_body_bytes=4096)
+                           max_body_bytes=4096,
+                           prefix_cache=lambda ids: PrefixCacheAnswer(
+                               cached_tokens=len(ids) // 16 * 16, block_size=16))
     server.start()
     with FakeEngine(table) as engine:
         engine.finish_turn("held", "r-held", ttl_s=3600)
@@ -55,6 +58,8 @@ _json_values = st.recursive(
 _bodies = st.one_of(
     st.none(), st.binary(max_size=300), _json_values.map(lambda v: json.dumps(v).encode()),
     st.fixed_dictionaries({}, optional={"ttl_s": _json_values | st.floats(0, 10)}).map(
+        lambda d: json.dumps(d).encode()),
+    st.fixed_dictionaries({}, optional={"token_ids": _json_values | st.lists(st.integers())}).map(
         lambda d: json.dumps(d).encode()),
     st.just(b"x" * 5000),  # over the limit
 )
@@ -98,6 +103,7 @@ def raw_request(hostport: str, method: str, target: str, headers: list[tuple[byt
        route=st.sampled_from(["/kvtether/v1/status", "/kvtether/v1/metrics",
                               "/kvtether/v1/leases", "/kvtether/v1/leases/{}",
                               "/kvtether/v1/leases/{}/renew", "/kvtether/v1/handles/{}",
+                              "/kvtether/v1/prefix-cache",
                               "/kvtether/v1/{}", "/{}", "/kvtether/v1"]),
        key=_keys, wait=_wait,
        auth=st.one_of(st.just(GOOD), st.just(GOOD), st.just(GOOD), st.none(), _header_bytes,

@@ -235,5 +235,53 @@ def test_short_turns_are_computed_on_decode_with_its_kv_and_match_reference(
         _release_at(url, cid)
 
 
+def test_a_released_conversation_comes_back_to_decodes_prefix_cache(pd_stack, reference_vllm):
+    """A conversation whose lease ended (released here; lapsed in an agent's long pause) is
+    computed on the decode instance that held it when vLLM has not reused the freed blocks
+    yet: the router asks decode's prefix cache first (``POST /kvtether/v1/prefix-cache``)."""
+    from tests.support.stacks import serve_router
+
+    bs = pd_stack.block_size_tokens
+    control = pd_stack.decode_control_urls[0]
+    with serve_router(pd_stack, local_prefill_max_tokens=256) as url:
+        cid = f"it-back-{uuid.uuid4().hex[:8]}"
+        msgs = _conversation(3)
+        body = {"model": pd_stack.model, "messages": msgs, "max_tokens": 12}
+        h, ids, text = _chat(url, body, cid=cid, stream=False)
+        prev_total = int(h["x-kvtether-prompt-tokens"]) + len(ids)
+        held = httpx.get(f"{url}/v1/sessions/{cid}", timeout=30).json()
+        assert held["retained_tokens"] == prev_total - 1
+        _release_at(url, cid)  # the lease ends; vLLM keeps the blocks until it needs them
+
+        # The lookup itself: decode's cache still has turn 1's sequence, and not a stranger's.
+        prompt = httpx.post(f"{pd_stack.decode_urls[0]}/tokenize", json={
+            "model": pd_stack.model, "messages": msgs, "add_generation_prompt": True,
+        }, timeout=30).json()["tokens"]
+        ask = lambda ids: httpx.post(  # noqa: E731
+            f"{control}/kvtether/v1/prefix-cache", json={"token_ids": ids},
+            headers=pd_stack.control_headers, timeout=10)
+        found = ask(prompt)
+        assert found.status_code == 200, found.text
+        assert found.json() == {"cached_tokens": len(prompt) // bs * bs, "block_size": bs}
+        assert ask([7] * (4 * bs)).json()["cached_tokens"] == 0
+
+        msgs = msgs + [{"role": "assistant", "content": text},
+                       {"role": "tool", "content": TOOL_RESULT}]
+        body = {"model": pd_stack.model, "messages": msgs, "max_tokens": 12}
+        prefilled = _prefill_requests(pd_stack)
+        h, ids, _ = _chat(url, body, cid=cid, stream=True)
+        _, ref_ids, _ = _chat(reference_vllm.base_url, body, cid=None, stream=False)
+        assert ids == ref_ids, "output differs from the colocated reference"
+        assert h["x-kvtether-reuse"] == "fired"
+        assert int(h["x-kvtether-reused-tokens"]) == ((prev_total - 1) // bs) * bs
+        assert _prefill_requests(pd_stack) == prefilled  # no prefill leg
+        status = httpx.get(f"{url}/v1/sessions/{cid}", timeout=30).json()
+        last = status["turns"][-1]
+        assert last["local_prefill"] and last["outcome"] == "fired", last
+        assert last["timings"]["plan_prefix_cache_s"] is not None
+        assert status["retained_tokens"]  # held again, under a new lease
+        _release_at(url, cid)
+
+
 def _release_at(url: str, cid: str) -> None:
     httpx.delete(f"{url}/v1/sessions/{cid}", timeout=60)

@@ -10,6 +10,8 @@ from kvtether import protocol as p
 from tests.support.fake_vllm import BLOCK_SIZE
 from tests.support.router_harness import make_router
 
+from .clock import ManualClock
+
 FAKE = {"kvtether_connector": True}
 
 
@@ -104,3 +106,88 @@ async def test_a_short_turn_whose_decode_died_is_answered_by_another() -> None:
         assert t3.outcome == "fired"  # on the new decode instance, locally
         assert t3.headers[p.HEADER_DECODE_INSTANCE] == t2.headers[p.HEADER_DECODE_INSTANCE]
         h.assert_kv_correct()
+
+
+# ---------------------------------------------------------------- after the lease has ended
+async def _lapsed(h, name: str, clock: ManualClock):  # noqa: ANN001, ANN202
+    agent = h.conversation(name)
+    await agent.say("first question " * 20)
+    await agent.say("a tool result " * 10)
+    clock.advance(120.0)  # a person thinks for longer than the lease
+    return agent
+
+
+async def test_a_turn_after_its_lease_lapsed_goes_back_to_decodes_prefix_cache() -> None:
+    """vLLM keeps a freed block findable until it needs the space: the decode instance that
+    held the conversation still has it, so the turn is computed there, not on prefill."""
+    clock = ManualClock()
+    async with make_router(control=True, fake=FAKE, local_prefill_max_tokens=200,
+                           lease_ttl_s=30.0, clock=clock) as h:
+        h.d.keeps_freed_kv = True
+        agent = await _lapsed(h, "lapsed", clock)
+        prefills = len(h.p.prefill_requests)
+        t3 = await agent.say("back from lunch " * 5)
+        assert t3.status == 200 and t3.outcome == "fired"
+        assert t3.reused > 0 and t3.reused % BLOCK_SIZE == 0
+        assert len(h.p.prefill_requests) == prefills  # no prefill leg
+        assert h.d.decode_params[-1].get(p.KV_PARAM_LOCAL_PREFILL) is True
+        assert "remote_block_ids" not in h.d.decode_params[-1]
+        (asked,) = h.d.prefix_cache_queries  # what turn 2 left, as far as turn 3 repeats it
+        assert len(asked) >= t3.reused
+        status = p.SessionStatus.model_validate(
+            (await h.client.get("/v1/sessions/lapsed")).json())
+        last = status.turns[-1]
+        assert last.local_prefill and last.outcome == "fired" and last.reused_tokens == t3.reused
+        assert last.timings.plan_prefix_cache_s is not None
+        assert status.retained_tokens  # retained again, under a new lease
+        assert await h.metric("kvtether_prefix_cache_returns_total") == 1
+        h.assert_kv_correct()
+
+
+async def test_a_lapsed_conversation_whose_kv_was_evicted_goes_through_prefill() -> None:
+    clock = ManualClock()
+    async with make_router(control=True, fake=FAKE, local_prefill_max_tokens=200,
+                           lease_ttl_s=30.0, clock=clock) as h:
+        h.d.keeps_freed_kv = True
+        agent = await _lapsed(h, "evicted", clock)
+        prefills = len(h.p.prefill_requests)
+        for held in h.d.held_leases():
+            held.end("expired")
+        h.d.evict_freed_kv()  # decode needed the space
+        t3 = await agent.say("back from lunch " * 5)
+        assert t3.status == 200 and t3.outcome == "miss:lease_expired"
+        assert len(h.p.prefill_requests) == prefills + 1
+        assert len(h.d.prefix_cache_queries) == 1
+        assert await h.metric("kvtether_prefix_cache_returns_total") == 0
+        h.assert_kv_correct()
+
+
+async def test_kv_evicted_after_the_lookup_is_recorded_as_the_miss_it_was() -> None:
+    """The lookup is advice: decode may reuse the space before it schedules the turn. The turn
+    record says what vLLM reported it computed."""
+    clock = ManualClock()
+    async with make_router(control=True, fake=FAKE, local_prefill_max_tokens=200,
+                           lease_ttl_s=30.0, clock=clock) as h:
+        h.d.keeps_freed_kv = True
+        agent = await _lapsed(h, "raced", clock)
+        h.d.cluster.held_prefix = lambda inst, prompt: 0  # evicted before it was scheduled
+        t3 = await agent.say("back from lunch " * 5)
+        assert t3.status == 200
+        status = p.SessionStatus.model_validate(
+            (await h.client.get("/v1/sessions/raced")).json())
+        assert status.turns[-1].outcome == "miss:lease_expired"
+        assert status.turns[-1].reused_tokens == 0
+
+
+async def test_a_decode_that_cannot_look_up_its_cache_gets_the_turn_through_prefill() -> None:
+    clock = ManualClock()
+    async with make_router(control=True, fake=FAKE, local_prefill_max_tokens=200,
+                           lease_ttl_s=30.0, clock=clock) as h:
+        h.d.keeps_freed_kv = True
+        agent = await _lapsed(h, "no-lookup", clock)
+        h.d.prefix_cache_lookup = False
+        prefills = len(h.p.prefill_requests)
+        t3 = await agent.say("back from lunch " * 5)
+        assert t3.status == 200 and t3.outcome == "miss:lease_expired"
+        assert len(h.d.prefix_cache_queries) == 1
+        assert len(h.p.prefill_requests) == prefills + 1

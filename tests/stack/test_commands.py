@@ -165,7 +165,8 @@ def test_smol_profiles_take_small_steps_and_the_rest_keep_vllms() -> None:
 
 def test_gpu_profile_keeps_vllm_behaviour() -> None:
     cmd = VllmCommands().command(_plan("decode"), StackSettings(profile="gpu"))
-    assert "--scheduler-cls" not in cmd.argv
+    # Upstream's scheduling; the kvtether scheduler only reports steps and prefix-cache hits.
+    assert _flag(cmd.argv, "--scheduler-cls") == "kvtether.connector.scheduler.TetherScheduler"
     assert "--worker-cls" not in cmd.argv  # the watched worker is vLLM's CPU worker
     extra = json.loads(_flag(cmd.argv, "--kv-transfer-config"))["kv_connector_extra_config"]
     assert not {"kvtether_progress_thread_delay_us", "kvtether_rpc_busy_loop_s"} & set(extra)
@@ -185,7 +186,7 @@ def test_idle_settings_can_be_switched_off_and_the_callers_env_wins(
     monkeypatch.setenv("UCX_USE_MT_MUTEX", "n")
     settings = StackSettings(idle_sleep=False, progress_thread_delay_us=None, vllm_env={})
     cmd = VllmCommands().command(_plan("decode"), settings)
-    assert "--scheduler-cls" not in cmd.argv
+    assert _flag(cmd.argv, "--scheduler-cls") == "kvtether.connector.scheduler.TetherScheduler"
     assert "UCX_USE_MT_MUTEX" not in cmd.env  # the process inherits the caller's "n"
     cmd = VllmCommands().command(_plan("decode"), StackSettings())
     assert "UCX_USE_MT_MUTEX" not in cmd.env

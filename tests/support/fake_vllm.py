@@ -323,13 +323,19 @@ class Cluster:
     def held_prefix(self, inst: FakeVLLM, prompt: list[int]) -> int:
         """Prompt tokens ``inst``'s prefix cache finds in the KV it holds: whole blocks, at
         most all but the prompt's last token (vLLM's rule)."""
+        return self.cached_prefix(inst, prompt[:-1])
+
+    def cached_prefix(self, inst: FakeVLLM, tokens: list[int]) -> int:
+        """Leading whole blocks of ``tokens`` in ``inst``'s prefix cache: KV it holds, and with
+        ``inst.keeps_freed_kv`` KV it has freed too (vLLM keeps a freed block findable until
+        it needs the space)."""
         best = 0
         for r in self.retentions.values():
             r.refresh()
-            if r.holder != inst.name or r.state != "held":
+            if r.holder != inst.name or (r.state != "held" and not inst.keeps_freed_kv):
                 continue
             held, n = r.seq[: r.num_tokens], 0
-            while n < min(len(held), len(prompt) - 1) and held[n] == prompt[n]:
+            while n < min(len(held), len(tokens)) and held[n] == tokens[n]:
                 n += 1
             best = max(best, n // BLOCK_SIZE * BLOCK_SIZE)
         return best
@@ -455,6 +461,10 @@ class FakeVLLM:
         self.unhealthy = False
         self.pull_failure = False  # reads of decode handles fail (P recomputes)
         self.local_hit_tokens: Callable[[list[int]], int] = lambda prompt: 0
+        # The prefix cache finds KV this instance freed (released, lapsed) until evicted.
+        self.keeps_freed_kv = False
+        self.prefix_cache_lookup = True  # False: a vLLM without kvtether's scheduler (501)
+        self.prefix_cache_queries: list[list[int]] = []  # POST /kvtether/v1/prefix-cache
 
         self.requests: list[Received] = []  # every completion request, as received
         self.prefill_handles: list[dict[str, Any] | None] = []  # kv_transfer_params, P legs
@@ -488,6 +498,7 @@ class FakeVLLM:
             Route("/kvtether/v1/leases/{key}", self.ctl_lease, methods=["GET"]),
             Route("/kvtether/v1/leases/{key}", self.ctl_release, methods=["DELETE"]),
             Route("/kvtether/v1/leases/{key}/renew", self.ctl_renew, methods=["POST"]),
+            Route("/kvtether/v1/prefix-cache", self.ctl_prefix_cache, methods=["POST"]),
         ]
         self.app = Starlette(routes=routes)
         self.transport = httpx.ASGITransport(app=self.app)
@@ -997,6 +1008,28 @@ class FakeVLLM:
         self.releases.append(key)
         r.end("released")
         return JSONResponse(r.lease_info().model_dump(mode="json"))
+
+    async def ctl_prefix_cache(self, request: Request) -> Response:
+        if (failed := self._ctl(request)) is not None:
+            return failed
+        try:
+            query = p.PrefixCacheQuery.model_validate(await request.json())
+        except (ValueError, json.JSONDecodeError) as exc:
+            return JSONResponse(p.error_body(str(exc), "invalid_request_error"), status_code=400)
+        self.prefix_cache_queries.append(query.token_ids)
+        if not self.prefix_cache_lookup:
+            return JSONResponse(p.error_body("this engine cannot look up its prefix cache",
+                                             "server_error", code="not_supported"),
+                                status_code=501)
+        return JSONResponse(p.PrefixCacheAnswer(
+            cached_tokens=self.cluster.cached_prefix(self, query.token_ids), block_size=BLOCK_SIZE,
+        ).model_dump(mode="json"))
+
+    def evict_freed_kv(self) -> None:
+        """vLLM reused the space: KV this instance freed is no longer in its prefix cache."""
+        for key, r in list(self.cluster.retentions.items()):
+            if r.holder == self.name and r.state != "held":
+                del self.cluster.retentions[key]
 
     def held_leases(self) -> list[Retention]:
         """Decode-side retentions still holding blocks (with or without a lease key)."""

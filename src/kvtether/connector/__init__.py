@@ -5,8 +5,9 @@ package itself does not import vLLM. Parts:
 
 * ``nixl`` — the connector: vLLM's NIXL pull connector plus leases, handle publication and
   the prefill-side prefix check (imports vLLM; checks its version first).
-* ``scheduler`` — ``IdleSleepScheduler`` (vLLM ``--scheduler-cls``): an engine that only
-  holds KV for a remote reader sleeps until there is work (imports vLLM).
+* ``scheduler`` — vLLM ``--scheduler-cls``: ``TetherScheduler`` reports engine steps and
+  answers prefix-cache lookups; ``IdleSleepScheduler`` also lets an engine that only holds KV
+  for a remote reader sleep until there is work (imports vLLM).
 * ``worker`` — ``WatchedCPUWorker`` (vLLM ``--worker-cls``): vLLM's CPU worker with each
   engine-step RPC watched for a stall (imports vLLM).
 * ``_idle`` — when a sleeping engine wakes (deadlines, control operations, a slow tick).

@@ -31,7 +31,7 @@ import math
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from pydantic import ValidationError
@@ -41,6 +41,8 @@ from kvtether.protocol import (
     CONTROL_API_PREFIX,
     ConnectorStatus,
     LeaseRenewRequest,
+    PrefixCacheAnswer,
+    PrefixCacheQuery,
     error_body,
 )
 from kvtether._validation import first_field_error
@@ -49,8 +51,10 @@ __all__ = ["ControlServer", "render_metrics", "MAX_WAIT_S"]
 
 logger = logging.getLogger(__name__)
 
+_M = TypeVar("_M", LeaseRenewRequest, PrefixCacheQuery)
+
 MAX_WAIT_S = 60.0
-_MAX_BODY_BYTES = 64 * 1024
+_MAX_BODY_BYTES = 2 * 1024 * 1024
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found",
                 405: "invalid_request_error", 411: "invalid_request_error",
                 413: "invalid_request_error", 414: "invalid_request_error"}
@@ -68,10 +72,12 @@ class ControlServer:
         *,
         secret: str | None = None,
         max_body_bytes: int = _MAX_BODY_BYTES,
+        prefix_cache: Callable[[list[int]], PrefixCacheAnswer | None] = lambda ids: None,
     ) -> None:
         self._httpd = _Server((host, port), _Handler)
         self._httpd.table = table
         self._httpd.status = status
+        self._httpd.prefix_cache = prefix_cache
         self._httpd.secret = f"Bearer {secret}".encode() if secret else None
         self._httpd.max_body_bytes = max_body_bytes
         self._thread = threading.Thread(
@@ -102,6 +108,8 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
     table: LeaseTable
     status: Callable[[], ConnectorStatus]
+    # The engine's prefix-cache lookup (None: this engine cannot answer); a read, off the loop.
+    prefix_cache: Callable[[list[int]], PrefixCacheAnswer | None]
     secret: bytes | None  # the whole expected Authorization value
     max_body_bytes: int
 
@@ -198,9 +206,20 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._json(table.renew(key, body.ttl_s))
             case "GET", ["handles", key]:
                 return self._json(table.handle(key, _wait_s(url.query)))
+            case "POST", ["prefix-cache"]:
+                query = self._body(PrefixCacheQuery)
+                answer = self.server.prefix_cache(query.token_ids)
+                if answer is None:
+                    return self._json(Reply(501, error_body(
+                        "this engine cannot look up its prefix cache (it needs "
+                        "--scheduler-cls kvtether.connector.scheduler.TetherScheduler or "
+                        "IdleSleepScheduler, "
+                        "prefix caching on, and one KV cache group)", "server_error",
+                        code="not_supported")))
+                return self._json(Reply(200, answer.model_dump(mode="json")))
         return self._json(Reply(404, error_body(f"no route {method} {url.path}", "not_found")))
 
-    def _body(self, model: type[LeaseRenewRequest]) -> LeaseRenewRequest:
+    def _body(self, model: type[_M]) -> _M:
         try:
             return model.model_validate_json(self._raw or b"{}")
         except ValidationError as exc:

@@ -54,8 +54,9 @@ class ConnectorSettings(BaseModel):
         "Bearer <secret>'; from the environment only.",
     )
     control_max_body_bytes: int = Field(
-        default=64 * 1024, ge=256, alias="kvtether_control_max_body_bytes",
-        description="Control requests with a larger body get 413.",
+        default=2 * 1024 * 1024, ge=256, alias="kvtether_control_max_body_bytes",
+        description="Control requests with a larger body get 413 (a prefix-cache query "
+        "carries a prompt's token ids: about 7 bytes a token).",
     )
     lease_ttl_s: float | None = Field(
         default=None, gt=0, allow_inf_nan=False, alias="kvtether_lease_ttl_s",

@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cachetools import TTLCache
@@ -94,6 +95,7 @@ from kvtether.protocol import (  # noqa: E402
     KV_PARAM_REPORT_TOKEN_IDS,
     KV_PARAM_TIMINGS,
     ConnectorStatus,
+    PrefixCacheAnswer,
     IdleInfo,
 )
 
@@ -147,6 +149,9 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
         # on sched_yield for up to a second: a core-share taken from the workers while a loaded
         # engine steps back to back (31% of a core measured at 16 conversations).
         shorten_rpc_spin(self.settings.rpc_busy_loop_s)
+        # The engine's prefix-cache lookup, attached by kvtether's scheduler class (the
+        # connector itself cannot see vLLM's block pool).
+        self._prefix_cache: Callable[[list[int]], PrefixCacheAnswer | None] | None = None
         self._control: ControlServer | None = None
         if self.settings.control_port is not None:
             # Like the NIXL side channel: one port per data-parallel rank.
@@ -158,6 +163,7 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
                     self.leases, self.status, host, port,
                     secret=secret.get_secret_value() if secret else None,
                     max_body_bytes=self.settings.control_max_body_bytes,
+                    prefix_cache=self.prefix_cache,
                 )
             except OSError as exc:
                 raise ConfigError(
@@ -186,6 +192,16 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
             ),
             step_running_s=self.step_running_s(),
         )
+
+    def attach_prefix_cache(
+        self, lookup: Callable[[list[int]], PrefixCacheAnswer | None]
+    ) -> None:
+        self._prefix_cache = lookup
+
+    def prefix_cache(self, token_ids: list[int]) -> PrefixCacheAnswer | None:
+        """What this engine's prefix cache holds of ``token_ids`` (None: cannot tell)."""
+        lookup = self._prefix_cache
+        return None if lookup is None else lookup(token_ids)
 
     # --- steps (kvtether.connector.scheduler.IdleSleepScheduler reports them) --------------
     def step_began(self) -> None:

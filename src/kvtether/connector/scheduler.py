@@ -1,7 +1,12 @@
-"""vLLM scheduler that lets an engine sleep while it only holds KV for a remote reader.
+"""vLLM schedulers for engines that run the kvtether connector.
 
-Load it with ``--scheduler-cls kvtether.connector.scheduler.IdleSleepScheduler`` next to the
-kvtether connector (kvtether's CPU stack profiles do both). Why: in vLLM 0.32 a request whose
+:class:`TetherScheduler` (``--scheduler-cls kvtether.connector.scheduler.TetherScheduler``)
+schedules as upstream does and tells the connector what it cannot see from its hooks: when
+each step begins and ends, and what the engine's prefix cache holds. kvtether's stack loads it
+on every kvtether-connector engine that does not sleep (the ``gpu`` profile).
+
+:class:`IdleSleepScheduler` (``--scheduler-cls kvtether.connector.scheduler.IdleSleepScheduler``,
+kvtether's CPU profiles) adds: the engine sleeps while it only holds KV for a remote reader. Why: in vLLM 0.32 a request whose
 blocks wait for a remote reader stays in ``Scheduler.requests``, so ``has_requests()`` stays
 true and ``EngineCore.run_busy_loop`` steps every ~1 ms (schedule, an RPC to the worker,
 NIXL polling) for the whole time decode retains a conversation's KV, and on prefill until
@@ -22,37 +27,101 @@ from __future__ import annotations
 import logging
 import queue
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from kvtether.connector._compat import check_vllm_version
 
 check_vllm_version()
 
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator  # noqa: E402
+from vllm.v1.core.kv_cache_utils import hash_block_tokens  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.engine import EngineCoreRequestType  # noqa: E402
 
 from kvtether.connector._idle import EngineWaker  # noqa: E402
 from kvtether.connector.nixl import KVTetherScheduler  # noqa: E402
+from kvtether.protocol import PrefixCacheAnswer  # noqa: E402
 
-__all__ = ["IdleSleepScheduler"]
+__all__ = ["IdleSleepScheduler", "TetherScheduler"]
 
 logger = logging.getLogger(__name__)
 
 
-class IdleSleepScheduler(Scheduler):
-    """Upstream's scheduler; an engine holding only remote-read KV sleeps until woken."""
+class TetherScheduler(Scheduler):
+    """Upstream's scheduler, plus what the kvtether connector cannot see from its own hooks:
+    when each engine step begins and ends (the control channel's ``step_running_s``, which
+    names a frozen worker) and a lookup in the engine's prefix cache (``POST
+    /kvtether/v1/prefix-cache``). Scheduling itself is unchanged."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        tether = getattr(self.connector, "connector_scheduler", None)
+        self._steps = tether if isinstance(tether, KVTetherScheduler) else None
+        if self._steps is None:
+            logger.warning("%s needs the kvtether connector "
+                           "(kv_connector_module_path=kvtether.connector.nixl); it schedules "
+                           "as upstream does", type(self).__name__)
+        else:
+            self._steps.attach_prefix_cache(self._prefix_cache_lookup())
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().schedule(*args, **kwargs)
+        if self._steps is not None:
+            self._steps.step_began()  # the engine core now sends this step to its worker
+        return output
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        if self._steps is not None:
+            self._steps.step_ended()
+        return super().update_from_output(*args, **kwargs)
+
+    def _prefix_cache_lookup(self) -> Callable[[list[int]], PrefixCacheAnswer | None]:
+        """How many leading tokens of a sequence this engine's prefix cache holds: the router
+        asks before it sends a conversation whose lease lapsed back to the decode instance
+        that held it.
+
+        Called on the control channel's thread, never the engine's: it only reads the block
+        pool's hash map (single dict lookups), so a step running meanwhile may evict a block
+        it counted. The answer is advice; what the turn reused is what vLLM reports after.
+        """
+        manager = self.kv_cache_manager
+        if not manager.enable_caching or not isinstance(
+            manager.coordinator, UnitaryKVCacheCoordinator
+        ):
+            return lambda token_ids: None  # no prefix cache, or a hybrid model: not looked up
+        hash_fn = get_hash_fn_by_name(self.cache_config.prefix_caching_hash_algo)
+        block_size = self.hash_block_size
+        pool = manager.block_pool
+
+        def lookup(token_ids: list[int]) -> PrefixCacheAnswer:
+            parent = None
+            cached = 0
+            for start in range(0, len(token_ids) - block_size + 1, block_size):
+                # The same chained hash vLLM gives a text-only request's block (no extra keys).
+                parent = hash_block_tokens(hash_fn, parent, token_ids[start:start + block_size])
+                try:
+                    hit = pool.get_cached_block(parent, [0])
+                except RuntimeError:  # the engine changed the map under this read
+                    break
+                if hit is None:
+                    break
+                cached += block_size
+            return PrefixCacheAnswer(cached_tokens=cached, block_size=block_size)
+
+        return lookup
+
+
+class IdleSleepScheduler(TetherScheduler):
+    """:class:`TetherScheduler`; an engine holding only remote-read KV sleeps until woken."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._tether: KVTetherScheduler | None = None
         self._waker: EngineWaker | None = None
-        tether = getattr(self.connector, "connector_scheduler", None)
-        # Step begin and end, for the control channel's step_running_s (a frozen worker).
-        self._steps = tether if isinstance(tether, KVTetherScheduler) else None
-        if not isinstance(tether, KVTetherScheduler):
-            logger.warning("IdleSleepScheduler needs the kvtether connector "
-                           "(kv_connector_module_path=kvtether.connector.nixl); the engine "
-                           "will step while it holds KV, as upstream does")
+        tether = self._steps
+        if tether is None:
             return
         inputs = _engine_input_queue()
         if inputs is None:
@@ -88,14 +157,10 @@ class IdleSleepScheduler(Scheduler):
         if self._waker is not None:
             self._waker.take_step()
         output = super().schedule(*args, **kwargs)
-        if self._steps is not None:
-            self._steps.step_began()  # the engine core now sends this step to its worker
         self._arm()
         return output
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
-        if self._steps is not None:
-            self._steps.step_ended()
         outputs = super().update_from_output(*args, **kwargs)
         self._arm()
         return outputs

@@ -24,6 +24,10 @@ from kvtether.protocol._wire import PROTOCOL_VERSION
 #                                               freed, 202 while being freed (after at most
 #                                               wait_s; default 10 s)
 #   GET    /kvtether/v1/handles/{key}?wait_s=5  HandleResponse (long-poll until published)
+#   POST   /kvtether/v1/prefix-cache            PrefixCacheQuery -> PrefixCacheAnswer: how many
+#                                               leading tokens the engine's prefix cache holds
+#                                               (501 "not_supported" without kvtether's
+#                                               scheduler class, or on a hybrid model)
 #   GET    /kvtether/v1/metrics                 Prometheus text
 #
 # Errors use ``ErrorBody``; for a lease or handle that ended, 410 with ``error.code`` = the
@@ -101,6 +105,20 @@ class LeaseRenewRequest(_Strict):
     """Body of ``POST /kvtether/v1/leases/{key}/renew``: new deadline = now + ``ttl_s``."""
 
     ttl_s: float = Field(gt=0, allow_inf_nan=False, description="Seconds from now.")
+
+
+class PrefixCacheQuery(_Strict):
+    """Body of ``POST /kvtether/v1/prefix-cache``: a token sequence to look up."""
+
+    token_ids: list[int] = Field(max_length=1 << 20, description="The sequence, from its start.")
+
+
+class PrefixCacheAnswer(BaseModel):
+    """How many leading tokens of a :class:`PrefixCacheQuery` the engine's prefix cache holds
+    now (whole blocks; a snapshot: the blocks stay evictable until a request takes them)."""
+
+    cached_tokens: int
+    block_size: int
 
 
 class LeaseInfo(BaseModel):

@@ -103,7 +103,8 @@ class TurnTimings(BaseModel):
     From the router's clock: ``router_wait_s`` (waiting for the conversation: another turn of
     it in flight, the store), ``plan_s`` (prefill's ``/tokenize`` for the prefix check, with the
     lease check on decode alongside; each of the two alone in ``plan_tokenize_s`` and
-    ``plan_lease_s``), ``prefill_leg_s`` (the prefill request, end to end),
+    ``plan_lease_s``; ``plan_prefix_cache_s``: asking decode's prefix cache about a
+    conversation whose lease had ended), ``prefill_leg_s`` (the prefill request, end to end),
     ``decode_first_token_s`` (decode leg sent until its first token reached the router; streamed
     turns). From the connectors inside vLLM: ``prefill`` and ``decode``
     (:class:`EngineTimings`).
@@ -113,6 +114,7 @@ class TurnTimings(BaseModel):
     plan_s: float | None = None
     plan_tokenize_s: float | None = None
     plan_lease_s: float | None = None
+    plan_prefix_cache_s: float | None = None
     prefill_leg_s: float | None = None
     decode_first_token_s: float | None = None
     prefill: EngineTimings | None = None
@@ -123,6 +125,7 @@ class TurnTimings(BaseModel):
         out = {k: v for k, v in (
             ("router_wait", self.router_wait_s), ("plan", self.plan_s),
             ("plan_tokenize", self.plan_tokenize_s), ("plan_lease", self.plan_lease_s),
+            ("plan_prefix_cache", self.plan_prefix_cache_s),
             ("prefill_leg", self.prefill_leg_s), ("decode_first_token", self.decode_first_token_s),
         ) if v is not None}
         for leg, engine in (("prefill", self.prefill), ("decode", self.decode)):

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from kvtether.protocol import CONTROL_API_PREFIX as _PREFIX
-from kvtether.protocol import LeaseInfo
+from kvtether.protocol import LeaseInfo, PrefixCacheAnswer
 from kvtether.router.backends import Backend
 
 logger = logging.getLogger(__name__)
@@ -132,6 +132,27 @@ class LeaseClient:
         except ValueError:
             return RenewStatus.UNREACHABLE
         return RenewStatus.RENEWED if active else RenewStatus.GONE
+
+    async def cached_prefix(self, decode: Backend, token_ids: list[int]) -> int | None:
+        """How many leading tokens of ``token_ids`` D's prefix cache holds now (whole blocks);
+        None where D cannot tell (no control channel or scheduler, an error, no answer)."""
+        if not decode.control_url or not token_ids:
+            return None
+        try:
+            r = await decode.client.post(
+                f"{decode.control_url}{_PREFIX}/prefix-cache", json={"token_ids": token_ids},
+                headers=self._headers, timeout=min(self._timeout_s, 5.0),
+            )
+        except httpx.HTTPError as exc:
+            logger.warning("prefix-cache lookup on %s failed: %r", decode.name, exc)
+            return None
+        _check_refused(decode, r)
+        if r.status_code != 200:
+            return None
+        try:
+            return PrefixCacheAnswer.model_validate(r.json()).cached_tokens
+        except ValueError:
+            return None
 
     async def release(self, decode: Backend, key: str | None) -> bool:
         if not decode.control_url or not key:

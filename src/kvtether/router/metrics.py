@@ -58,6 +58,11 @@ class RouterMetrics:
             "kvtether_local_prefill_turns", "Turns with no prefill leg: decode computed their "
             "new tokens on the KV it retained (local_prefill_max_tokens)", registry=r,
         )
+        self.prefix_cache_returns = Counter(
+            "kvtether_prefix_cache_returns", "Turns of a conversation whose lease had ended, "
+            "computed on the decode instance that held it, on what its prefix cache still held "
+            "(a subset of kvtether_local_prefill_turns)", registry=r,
+        )
         self.stalls = Counter(
             "kvtether_instance_stalls", "Times an instance was found stalled (an engine step "
             "waiting for its worker past stall_after_s; its legs in flight were given up)",

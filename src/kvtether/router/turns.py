@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.responses import Response, StreamingResponse
@@ -47,6 +47,10 @@ from kvtether.router.reuse import ReusePlan, plan_reuse, plan_upstream, reuse_ou
 logger = logging.getLogger(__name__)
 
 __all__ = ["TurnRequest", "TurnRunner"]
+
+# Why a conversation's decode-held KV is gone while decode's prefix cache may still hold it.
+_GONE = frozenset({p.MissCause.LEASE_EXPIRED, p.MissCause.EVICTED, p.MissCause.RELEASED,
+                   p.MissCause.NOT_RETAINED})
 
 
 @dataclass
@@ -190,6 +194,10 @@ class TurnRunner:
                 break
             except legs.PrefillRefused as exc:
                 prefill = self._instead_of_refused(refused, exc)
+        cached_on = None if store_down else await self._cached_on_decode(
+            req, conv, plan, prefill, timings)
+        if cached_on is not None:
+            plan, cached_decode = cached_on
         timings.plan_s = clock.now_unix_s() - planning
         had_retained = conv is not None and conv.retained is not None
         previous = conv.last_token_ids if conv is not None else None
@@ -205,6 +213,9 @@ class TurnRunner:
         holder = self.pool.by_name(taken.decode_instance) if taken is not None else None
         # Few new tokens on top of what decode holds: decode computes them there, no transfer.
         local = holder is not None and self._prefills_locally(plan, holder)
+        if cached_on is not None:
+            holder, local = cached_decode, True  # on what decode's prefix cache still holds
+            self.deps.metrics.prefix_cache_returns.inc()
         leg: legs.PrefillResult | None = None
         try:
             if not local:
@@ -272,7 +283,7 @@ class TurnRunner:
         if conv is not None:
             conv.decode_instance = decode.name
         if local:
-            assert conv is not None and taken is not None and plan.prompt_token_ids is not None
+            assert conv is not None and plan.prompt_token_ids is not None
             moved = decode.name != preferred  # another decode instance recomputes it all
             outcome = reuse_outcome(
                 plan, plan.prompt_token_ids,
@@ -379,6 +390,53 @@ class TurnRunner:
             and plan.handle is not None and new is not None
             and 0 < new <= self.s.local_prefill_max_tokens and holder.available
         )
+
+    async def _cached_on_decode(
+        self, req: TurnRequest, conv: Conversation | None, plan: ReusePlan, prefill: Backend,
+        timings: p.TurnTimings,
+    ) -> tuple[ReusePlan, Backend] | None:
+        """A conversation whose decode-held KV has gone (its lease lapsed while a person
+        thought, it was evicted or released) goes back to the decode instance that held it,
+        to compute the turn there on what that instance's prefix cache still holds, when the
+        cache holds all it could reuse and the rest is few tokens (``local_prefill_max_tokens``).
+
+        vLLM keeps a freed block's KV, findable by its hash, until it needs the space: a lapsed
+        lease ends the promise, not the data. The plan that comes back keeps its miss cause
+        (``lease_expired`` ...): if decode has reused the space by the time the turn is
+        scheduled, the turn records that miss, from what vLLM reports it computed.
+        """
+        if (
+            conv is None or self.s.reuse_policy != "kvtether" or plan.cause not in _GONE
+            or conv.decode_instance is None or not conv.last_token_ids
+            or self.s.local_prefill_max_tokens <= 0 or not req.api.token_ids_in_answer
+        ):
+            return None
+        decode = self.pool.by_name(conv.decode_instance)
+        if decode is None or not decode.available or not decode.control_url:
+            return None
+        prompt = plan.prompt_token_ids or req.prompt_ids
+        if prompt is None:
+            try:
+                prompt = await self._tokenize(req, prefill)
+            except RouterHTTPError:
+                return None  # the prefill leg meets (and reports) the same problem
+            timings.plan_tokenize_s = req.tokenize_s
+            if prompt is None:
+                return None
+        block, threshold = self.s.kv_block_size_tokens, self.s.kv_recompute_threshold_tokens
+        reusable = p.reusable_prefix_tokens(conv.last_token_ids, prompt)
+        if reusable < max(threshold, 1) or len(prompt) - reusable > self.s.local_prefill_max_tokens:
+            return None
+        t0 = self.deps.clock.now_unix_s()
+        cached = await self.deps.leases.cached_prefix(decode, prompt[:reusable])
+        timings.plan_prefix_cache_s = self.deps.clock.now_unix_s() - t0
+        if cached is None:
+            return None
+        _, fires = p.reuse_verdict(reusable, cached, block_size=block,
+                                   recompute_threshold_tokens=threshold)
+        if not fires or not 0 < len(prompt) - cached <= self.s.local_prefill_max_tokens:
+            return None
+        return replace(plan, expected_reused_tokens=cached, prompt_token_ids=prompt), decode
 
     def _check_local_hit(self, record: p.TurnRecord, plan: ReusePlan, cached: int,
                          previous: list[int] | None) -> None:

@@ -27,6 +27,7 @@ VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # The kvtether connector keeps upstream's class name: some vLLM code checks for it by name.
 KVTETHER_CONNECTOR_MODULE = "kvtether.connector.nixl"
 IDLE_SLEEP_SCHEDULER = "kvtether.connector.scheduler.IdleSleepScheduler"
+TETHER_SCHEDULER = "kvtether.connector.scheduler.TetherScheduler"
 # Each engine-step RPC of a CPU worker watched whole for a stall (kvtether.connector.worker).
 WATCHED_CPU_WORKER = "kvtether.connector.worker.WatchedCPUWorker"
 
@@ -206,8 +207,10 @@ class VllmCommands:
                 argv.append("--no-enable-prefix-caching")
             config = kv_transfer_config(plan, settings)
             argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
-            if settings.connector == "kvtether" and settings.idle_sleep:
-                argv += ["--scheduler-cls", IDLE_SLEEP_SCHEDULER]
+            if settings.connector == "kvtether":
+                # Step timings and prefix-cache lookups for the control channel; sleeping too.
+                argv += ["--scheduler-cls",
+                         IDLE_SLEEP_SCHEDULER if settings.idle_sleep else TETHER_SCHEDULER]
             if settings.connector == "kvtether" and settings.device == "cpu":
                 argv += ["--worker-cls", WATCHED_CPU_WORKER]
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = plan.host
