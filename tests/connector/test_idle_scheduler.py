@@ -140,3 +140,25 @@ def test_without_an_engine_queue_the_scheduler_is_upstream(tmp_path: Path) -> No
         assert h.conn.status().idle is None
     finally:
         h.scheduler.shutdown()
+
+
+@pytest.mark.parametrize("cls", [idle_scheduler.TetherScheduler, IdleSleepScheduler])
+@pytest.mark.parametrize("async_scheduling", [True, False, None])
+def test_the_scheduler_named_is_built_async_where_vllm_would_build_async(
+    cls: type, async_scheduling: bool | None,
+) -> None:
+    """vLLM resolves --scheduler-cls as given, and builds AsyncScheduler itself only when no
+    class is named: kvtether's class turns into its AsyncScheduler twin when async
+    scheduling is on, so naming it costs no overlap of scheduling with the step before."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
+    built = cls.__new__(cls, vllm_config=config)  # __init__ needs a whole engine: not run
+    assert isinstance(built, cls)
+    assert isinstance(built, AsyncScheduler) is bool(async_scheduling)
+    if async_scheduling:
+        mro = type(built).__mro__
+        assert mro.index(cls) < mro.index(AsyncScheduler) < mro.index(Scheduler)
+        assert type(cls.__new__(cls, vllm_config=config)) is type(built)  # one twin per class

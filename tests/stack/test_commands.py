@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,20 @@ def test_control_channel_secret_and_host_reach_vllm_in_env_and_config() -> None:
     extra = json.loads(_flag(cmd.argv, "--kv-transfer-config"))["kv_connector_extra_config"]
     assert extra["kvtether_control_host"] == "127.0.0.2"
     assert "shh" not in repr(_plan(control_secret="shh"))
+
+
+def test_cpu_instances_get_a_core_each_decode_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    settings = StackSettings(prefill=2, decode=2)
+
+    def core(role: str, i: int) -> str:
+        cmd = VllmCommands().command(_plan(role, name=f"{role}-{i}"), settings)
+        return cmd.env["VLLM_CPU_OMP_THREADS_BIND"]
+
+    assert [core("decode", 0), core("decode", 1), core("prefill", 0), core("prefill", 1)] == \
+        ["0", "1", "2", "3"]
+    assert core("reference", 0) == "0"  # the colocated baseline computes where decode-0 does
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    settings = StackSettings()  # 1P+1D on this project's 2-core machines
+    assert [core("decode", 0), core("prefill", 0)] == ["0", "1"]

@@ -188,13 +188,7 @@ class VllmCommands:
         if plan.gpu_id is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(plan.gpu_id)
         if settings.device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            # vLLM's CPU workers spin their OpenMP threads; P and D on the same cores starve
-            # each other (measured: a 35 s KV read instead of ~10 ms). One core each; the
-            # reference shares prefill-0's, which idles between requests (D's never does while
-            # it holds KV).
-            cores = os.cpu_count() or 1
-            index = 0 if plan.role == "reference" else plan.port - settings.base_port
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(index % cores)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core(plan, settings))
         if plan.role == "reference":
             # One colocated engine, no transfer: the correctness reference (no prefix cache)
             # or the simple colocated deployment (prefix cache). Either reports its cache hits
@@ -279,3 +273,25 @@ def router_secrets(plan: InstancePlan, settings: StackSettings) -> dict[str, str
 def _has_password(url: str) -> bool:
     """A store URL with credentials (``redis://:pw@host``) goes in the environment, not argv."""
     return "@" in url.partition("://")[2].partition("/")[0]
+
+
+def cpu_core(plan: InstancePlan, settings: StackSettings) -> int:
+    """The core a CPU instance's worker computes on: one each, decode instances first.
+
+    vLLM's CPU workers spin their OpenMP threads, so P and D on the same cores starve each other
+    (measured: a 35 s KV read instead of ~10 ms). Decode takes the first cores because it
+    computes most of every conversation (its tokens, and its short turns' prompts); core 0 is
+    also the one a host's device interrupts are least likely to be routed to (on this project's
+    2-core VMs they go to core 1, where one conversation's turns on a colocated vLLM took 10%
+    longer than on core 0). The reference (the colocated baseline, or the correctness
+    reference beside a test stack) shares decode-0's core: the baseline then computes where
+    kvtether's decode does, and beside a stack it runs between decode's turns.
+    """
+    cores = os.cpu_count() or 1
+    if plan.role == "reference":
+        return 0
+    suffix = plan.name.rsplit("-", 1)[-1]  # prefill-0, decode-1, ... (_plan.plan_stack)
+    index = int(suffix) if suffix.isdigit() else 0
+    if plan.role == "prefill":
+        index += settings.decode
+    return index % cores
