@@ -4,11 +4,14 @@ result under a new lease, and the old lease is released."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import pytest
 
 from kvtether import protocol as p
 from tests.support.fake_vllm import BLOCK_SIZE
-from tests.support.router_harness import make_router
+from tests.support.router_harness import Agent, Harness, make_router
 
 from .clock import ManualClock
 
@@ -109,22 +112,25 @@ async def test_a_short_turn_whose_decode_died_is_answered_by_another() -> None:
 
 
 # ---------------------------------------------------------------- after the lease has ended
-async def _lapsed(h, name: str, clock: ManualClock):  # noqa: ANN001, ANN202
-    agent = h.conversation(name)
-    await agent.say("first question " * 20)
-    await agent.say("a tool result " * 10)
-    clock.advance(120.0)  # a person thinks for longer than the lease
-    return agent
+@contextlib.asynccontextmanager
+async def _lapsed(name: str) -> AsyncIterator[tuple[Harness, Agent]]:
+    """A conversation of two turns whose lease then lapsed (a person thought for longer);
+    decode's prefix cache keeps what it freed until a test says otherwise."""
+    clock = ManualClock()
+    async with make_router(control=True, fake=FAKE, local_prefill_max_tokens=200,
+                           lease_ttl_s=30.0, clock=clock) as h:
+        h.d.keeps_freed_kv = True
+        agent = h.conversation(name)
+        await agent.say("first question " * 20)
+        await agent.say("a tool result " * 10)
+        clock.advance(120.0)
+        yield h, agent
 
 
 async def test_a_turn_after_its_lease_lapsed_goes_back_to_decodes_prefix_cache() -> None:
     """vLLM keeps a freed block findable until it needs the space: the decode instance that
     held the conversation still has it, so the turn is computed there, not on prefill."""
-    clock = ManualClock()
-    async with make_router(control=True, fake=FAKE, local_prefill_max_tokens=200,
-                           lease_ttl_s=30.0, clock=clock) as h:
-        h.d.keeps_freed_kv = True
-        agent = await _lapsed(h, "lapsed", clock)
+    async with _lapsed("lapsed") as (h, agent):
         prefills = len(h.p.prefill_requests)
         t3 = await agent.say("back from lunch " * 5)
         assert t3.status == 200 and t3.outcome == "fired"
@@ -145,11 +151,7 @@ async def test_a_turn_after_its_lease_lapsed_goes_back_to_decodes_prefix_cache()
 
 
 async def test_a_lapsed_conversation_whose_kv_was_evicted_goes_through_prefill() -> None:
-    clock = ManualClock()
-    async with make_router(control=True, fake=FAKE, local_prefill_max_tokens=200,
-                           lease_ttl_s=30.0, clock=clock) as h:
-        h.d.keeps_freed_kv = True
-        agent = await _lapsed(h, "evicted", clock)
+    async with _lapsed("evicted") as (h, agent):
         prefills = len(h.p.prefill_requests)
         for held in h.d.held_leases():
             held.end("expired")
@@ -165,11 +167,7 @@ async def test_a_lapsed_conversation_whose_kv_was_evicted_goes_through_prefill()
 async def test_kv_evicted_after_the_lookup_is_recorded_as_the_miss_it_was() -> None:
     """The lookup is advice: decode may reuse the space before it schedules the turn. The turn
     record says what vLLM reported it computed."""
-    clock = ManualClock()
-    async with make_router(control=True, fake=FAKE, local_prefill_max_tokens=200,
-                           lease_ttl_s=30.0, clock=clock) as h:
-        h.d.keeps_freed_kv = True
-        agent = await _lapsed(h, "raced", clock)
+    async with _lapsed("raced") as (h, agent):
         h.d.cluster.held_prefix = lambda inst, prompt: 0  # evicted before it was scheduled
         t3 = await agent.say("back from lunch " * 5)
         assert t3.status == 200
@@ -180,11 +178,7 @@ async def test_kv_evicted_after_the_lookup_is_recorded_as_the_miss_it_was() -> N
 
 
 async def test_a_decode_that_cannot_look_up_its_cache_gets_the_turn_through_prefill() -> None:
-    clock = ManualClock()
-    async with make_router(control=True, fake=FAKE, local_prefill_max_tokens=200,
-                           lease_ttl_s=30.0, clock=clock) as h:
-        h.d.keeps_freed_kv = True
-        agent = await _lapsed(h, "no-lookup", clock)
+    async with _lapsed("no-lookup") as (h, agent):
         h.d.prefix_cache_lookup = False
         prefills = len(h.p.prefill_requests)
         t3 = await agent.say("back from lunch " * 5)
