@@ -10,6 +10,7 @@ and the settings both sides read agree.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -26,7 +27,7 @@ from kvtether.connector._compat import TARGET_VLLM_VERSION
 from kvtether.connector._settings import ConnectorSettings
 from kvtether.protocol import CONTROL_SECRET_ENV
 from kvtether.router.settings import RouterSettings
-from kvtether.stack._commands import InstancePlan, kv_transfer_config
+from kvtether.stack._commands import InstancePlan, VllmCommands, kv_transfer_config
 from kvtether.stack.settings import StackSettings
 
 # Pinned: the oldest of the three newest minors kubernetes-validate 1.37 ships (Kubernetes
@@ -213,6 +214,9 @@ def test_vllm_example_loads_the_connector_as_the_stack_does() -> None:
         plan = InstancePlan(name="x", role=extra["kvtether_role"], host="0.0.0.0", port=8000,
                             log_path=Path("unused"), control_port=ports["kvtether-ctl"])
         assert config == kv_transfer_config(plan, stack)
+        served = dataclasses.replace(plan, model_dir=Path("model"), served_model_name="model")
+        stack_argv = {"args": VllmCommands().command(served, stack).argv}
+        assert _arg(c, "--scheduler-cls") == _arg(stack_argv, "--scheduler-cls")
         # Typos in kvtether_* keys would be ignored by the connector: each must be a setting.
         aliases = {f.alias for f in ConnectorSettings.model_fields.values()}
         assert {k for k in extra if k.startswith("kvtether_")} <= aliases
