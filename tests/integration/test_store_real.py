@@ -124,18 +124,24 @@ def test_racing_turns_through_both_replicas_wait_or_409_never_wrong(replicas, re
         return httpx.post(f"{url}/v1/chat/completions", json=body,
                           headers={"X-Conversation-Id": c.cid}, timeout=600)
 
+    answered = 0
     for _ in range(3):
         with cf.ThreadPoolExecutor(2) as pool:
             answers = list(pool.map(send, [a.base_url, b.base_url]))
         assert any(r.status_code == 200 for r in answers)
         for r in answers:
             if r.status_code == 200:
+                answered += 1
                 assert r.json()["choices"][0]["token_ids"] == ref, "output differs"
             else:
                 assert r.status_code == 409, r.text
                 assert r.json()["error"]["code"] == "conversation_busy"
+    # Every answered turn is recorded once, on the conversation or on a branch of it: a turn
+    # whose branch is busy runs on a sibling (router/branches.py), and which one a racing
+    # pair lands on depends on timing.
     status = httpx.get(f"{b.base_url}/v1/sessions/{c.cid}", timeout=30).json()
-    assert status["turn_count"] >= 4
+    recorded = status["turn_count"] + sum(br["turn_count"] for br in status["branches"])
+    assert recorded == 1 + answered, status
 
 
 def _store_ops(*urls: str) -> dict[str, float]:
