@@ -44,6 +44,9 @@ TOOL_RESULT = "ok tests run result found file path value true " * 2
 # Long enough to be caught mid-answer even on an idle machine (the tiny model writes hundreds of
 # tokens a second); ignore_eos so the random tiny model does not stop early.
 LONG = {"max_tokens": 1000, "ignore_eos": True}
+# For a kill mid-answer: cpu-tiny's decode, scheduling asynchronously, can finish 1,000 tokens
+# before the kill lands (seen once in CI); this leaves it ~3.5x longer (max_model_len 4096).
+LONGEST = {"max_tokens": 3500, "ignore_eos": True}
 # A killed vLLM instance is back (healthy, taken back by the router, warm-up done) within this:
 # a cpu-tiny restart took 36-41 s on a 2-core machine; the rest is room for a loaded one.
 RESTART_WITHIN_S = 300.0
@@ -561,7 +564,7 @@ def test_prefill_killed(faults: FaultStack, reference_vllm: Reference):
 def test_decode_killed_mid_turn(faults: FaultStack, reference_vllm: Reference):
     c = Conv(faults, reference_vllm)
     c.turn()
-    with streamed_turn(c, **LONG) as (_, lines):
+    with streamed_turn(c, **LONGEST) as (_, lines):
         seen = [next(lines) for _ in range(6)]  # decode is mid-answer
         kill9(faults, "decode-0")
         seen += list(lines)
