@@ -561,7 +561,12 @@ def test_prefill_killed(faults: FaultStack, reference_vllm: Reference):
     print(f"  KV freed {assert_nothing_held(faults):.1f} s after")
 
 
+def _restarts(faults: FaultStack) -> int:
+    return sum(line.endswith("restarting it") for line in faults.say)
+
+
 def test_decode_killed_mid_turn(faults: FaultStack, reference_vllm: Reference):
+    restarts = _restarts(faults)
     c = Conv(faults, reference_vllm)
     c.turn()
     with streamed_turn(c, **LONGEST) as (_, lines):
@@ -586,4 +591,5 @@ def test_decode_killed_mid_turn(faults: FaultStack, reference_vllm: Reference):
     # (kv_lease_duration: PREFILL_KV_LEASE_S here, 120 s on CPU profiles) lapses.
     print(f"  held then: {held(faults)}; all KV freed "
           f"{assert_nothing_held(faults, within_s=PREFILL_KV_LEASE_S + 30):.0f} s after")
-    assert sum(line.endswith("restarting it") for line in faults.say) >= 3, faults.say
+    # The supervisor said it restarted what died (this test's kill, not the module's others).
+    assert _restarts(faults) > restarts, faults.say

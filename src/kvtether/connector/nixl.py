@@ -115,6 +115,43 @@ logger = logging.getLogger(__name__)
 # the first step after its own, slightly later, deadline); after that only the tick retries.
 _PAST_DUE_STEP_S = 2.0
 
+# Upstream's worker logs every send-side deadline that passes as a WARNING, "Releasing expired
+# KV blocks ...", including the deadline kvtether sets to "now" to release or evict a lease.
+_UPSTREAM_WORKER_LOGGER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+_EXPIRED_MESSAGE = "Releasing expired KV blocks"
+
+
+class _EndedByKVTether(logging.Filter):
+    """Drops upstream's expiry warning for requests whose lease kvtether ended (a release or
+    an eviction reached the worker as a deadline at or before the scheduler's clock); logs
+    them at DEBUG instead. A lease that lapsed on its own keeps upstream's warning."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # A request marked here that is never reaped (not retained after all) ages out.
+        self.ended: TTLCache[str, None] = TTLCache(maxsize=65536, ttl=300.0)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (isinstance(record.msg, str) and record.msg.startswith(_EXPIRED_MESSAGE)
+                and record.args and isinstance(record.args, tuple)):
+            return True
+        request_id = record.args[0]
+        if request_id not in self.ended:
+            return True
+        del self.ended[request_id]
+        logger.debug("request %s: KV freed, its lease ended by kvtether", request_id)
+        return False
+
+
+_ENDED_BY_KVTETHER = _EndedByKVTether()
+
+
+def quiet_ended_leases() -> None:
+    """Put the filter on upstream's worker logger (once per process)."""
+    upstream = logging.getLogger(_UPSTREAM_WORKER_LOGGER)
+    if _ENDED_BY_KVTETHER not in upstream.filters:
+        upstream.addFilter(_ENDED_BY_KVTETHER)
+
 
 class KVTetherScheduler(NixlPullConnectorScheduler):
     """Scheduler side (engine-core process): lease table, control channel, prefix check."""
@@ -464,6 +501,7 @@ class KVTetherWorker(NixlPullConnectorWorker):
               keep_thread_affinity()):
             super().__init__(vllm_config, engine_id, kv_cache_config)
         shorten_rpc_spin(settings.rpc_busy_loop_s)
+        quiet_ended_leases()
         # Prefill-side request id -> the heartbeats this worker sent prefill for it (only
         # decode sends them, for a new turn's KV waiting on prefill; upstream sends none for
         # bidirectional reads): (first sent, last sent, none more than an extension apart).
@@ -474,6 +512,16 @@ class KVTetherWorker(NixlPullConnectorWorker):
         # WatchedCPUWorker the whole RPC is watched instead of the connector's part of it.
         self._step_watch = (None if settings.stall_report_s is None or rpcs_watched()
                             else process_watch(settings.stall_report_s))
+
+    def start_load_kv(self, metadata: Any) -> None:
+        # A deadline at or before the scheduler's clock is a lease kvtether ended (release,
+        # eviction): its blocks are freed this step, and not worth upstream's warning.
+        clock = getattr(metadata, "scheduler_clock", 0.0)
+        if clock:
+            for request_id, deadline in metadata.reqs_to_send.items():
+                if deadline <= clock:
+                    _ENDED_BY_KVTETHER.ended[request_id] = None
+        super().start_load_kv(metadata)
 
     def step_began(self) -> None:
         """The engine sent this worker a step (before its forward pass)."""

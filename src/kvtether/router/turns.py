@@ -194,6 +194,7 @@ class TurnRunner:
                 break
             except legs.PrefillRefused as exc:
                 prefill = self._instead_of_refused(refused, exc)
+        cached_decode: Backend | None = None
         cached_on = None if store_down else await self._cached_on_decode(
             req, conv, plan, prefill, timings)
         if cached_on is not None:
@@ -210,12 +211,15 @@ class TurnRunner:
                 # Handed to P, so consumed (D frees the blocks once read); no release or
                 # eviction may touch it meanwhile.
                 taken = self.retention.take(conv)
-        holder = self.pool.by_name(taken.decode_instance) if taken is not None else None
-        # Few new tokens on top of what decode holds: decode computes them there, no transfer.
-        local = holder is not None and self._prefills_locally(plan, holder)
-        if cached_on is not None:
-            holder, local = cached_decode, True  # on what decode's prefix cache still holds
+        if cached_decode is not None:
+            # Decode computes the turn on what its prefix cache still holds (no handle: the
+            # plan's cause is the miss, so nothing was taken above).
+            holder, local = cached_decode, True
             self.deps.metrics.prefix_cache_returns.inc()
+        else:
+            holder = self.pool.by_name(taken.decode_instance) if taken is not None else None
+            # Few new tokens on top of what decode holds: decode computes them there.
+            local = holder is not None and self._prefills_locally(plan, holder)
         leg: legs.PrefillResult | None = None
         try:
             if not local:
