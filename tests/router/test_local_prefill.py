@@ -4,6 +4,7 @@ result under a new lease, and the old lease is released."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -185,3 +186,43 @@ async def test_a_decode_that_cannot_look_up_its_cache_gets_the_turn_through_pref
         assert t3.status == 200 and t3.outcome == "miss:lease_expired"
         assert len(h.d.prefix_cache_queries) == 1
         assert len(h.p.prefill_requests) == prefills + 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_short_turn_goes_through_prefill_while_decode_has_one_queued(
+        stream: bool) -> None:
+    """Many conversations at once: while one short turn waits in decode's queue for its first
+    token, the next conversation's short turn takes the prefill leg instead of queueing behind
+    it (prefill would otherwise idle); once decode has answered, short turns stay there."""
+    async with make_router(control=True, fake=FAKE, local_prefill_max_tokens=200) as h:
+        a, b = h.conversation("queued-a"), h.conversation("queued-b")
+        await a.say("first question " * 20, stream=stream)
+        await b.say("another first question " * 20, stream=stream)
+        prefills = len(h.p.prefill_requests)
+        gate = h.d.hold_next()
+        waiting = asyncio.create_task(a.say("short tool output " * 10, stream=stream))
+        for _ in range(200):
+            if h.d.holding:
+                break
+            await asyncio.sleep(0.01)
+        assert h.d.holding
+
+        tb = await b.say("short result " * 10, stream=stream)
+        assert tb.outcome == "fired"
+        assert len(h.p.prefill_requests) == prefills + 1  # b's turn, read from decode's KV
+        assert p.KV_PARAM_LOCAL_PREFILL not in h.d.decode_params[-1]
+
+        gate.set()
+        ta = await waiting
+        assert ta.outcome == "fired"
+        status = p.SessionStatus.model_validate(
+            (await h.client.get("/v1/sessions/queued-a")).json())
+        assert status.turns[-1].local_prefill
+
+        # Decode's queue is empty again: the next short turn is computed there.
+        tb3 = await b.say("another short result " * 10, stream=stream)
+        assert tb3.outcome == "fired"
+        assert h.d.decode_params[-1].get(p.KV_PARAM_LOCAL_PREFILL) is True
+        assert len(h.p.prefill_requests) == prefills + 1
+        assert all(d.local_prompts == 0 for d in h.app.state.pool.decode)
+        h.assert_kv_correct()

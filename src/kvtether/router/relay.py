@@ -58,6 +58,14 @@ class TurnContext:
     # Filled while relaying: the sequence D now holds KV for.
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
+    # A turn decode computes itself: counted in its ``local_prompts`` until the first token.
+    local_prompt_on: Backend | None = None
+
+    def prompt_computed(self) -> None:
+        """Decode has computed this turn's prompt (its first token came, or the turn ended)."""
+        if self.local_prompt_on is not None:
+            self.local_prompt_on.local_prompts -= 1
+            self.local_prompt_on = None
 
 
 # Records D's handle (or its absence) once the answer is complete.
@@ -98,6 +106,7 @@ async def relay_once(ctx: TurnContext, settle: Settle, clock: Clock) -> Response
                               code="upstream_unavailable") from None
     finally:
         decode.inflight -= 1
+        ctx.prompt_computed()
         await ctx.upstream.aclose()
     data = json_or_502(raw, decode)
     if ctx.api.token_ids_in_answer:
@@ -164,6 +173,7 @@ def relay_stream(
                 for c in chunk.get("choices") or []:
                     ctx.output_ids.extend(c.get("token_ids") or [])
                     if record.timings.decode_first_token_s is None and c.get("token_ids"):
+                        ctx.prompt_computed()
                         now = clock.now_unix_s()
                         record.timings.decode_first_token_s = now - ctx.decode_sent_unix_s
                         if record.ttft_s is None:
@@ -225,6 +235,7 @@ def relay_events(
                 if not frame:
                     continue
                 if name in api.delta_events and record.timings.decode_first_token_s is None:
+                    ctx.prompt_computed()
                     now = clock.now_unix_s()
                     record.timings.decode_first_token_s = now - ctx.decode_sent_unix_s
                     record.ttft_s = now - record.started_unix_s
@@ -264,6 +275,7 @@ class _StreamEnd:
         self.finished = True
         ctx = self.ctx
         ctx.decode.inflight -= 1
+        ctx.prompt_computed()
         if not self.settled and self.release_unsettled is not None:
             in_background(self.release_unsettled())
         conv, held, record = ctx.conv, ctx.held, ctx.record

@@ -219,7 +219,7 @@ class TurnRunner:
         else:
             holder = self.pool.by_name(taken.decode_instance) if taken is not None else None
             # Few new tokens on top of what decode holds: decode computes them there.
-            local = holder is not None and self._prefills_locally(plan, holder)
+            local = holder is not None and self._prefills_locally(plan, holder, prefill)
         leg: legs.PrefillResult | None = None
         try:
             if not local:
@@ -274,6 +274,9 @@ class TurnRunner:
             assert holder is not None
             preferred = holder.name
         decode_sent = clock.now_unix_s()
+        if local:
+            assert holder is not None
+            holder.local_prompts += 1  # decode's queue of prompt work (_prefills_locally)
         try:
             decode, upstream = await legs.open_decode(
                 self.pool, preferred, req.endpoint, body, req.request_id,
@@ -281,6 +284,9 @@ class TurnRunner:
                 source=leg.prefill if leg is not None else None,
             )
         except BaseException:
+            if local:
+                assert holder is not None
+                holder.local_prompts -= 1
             if local and conv is not None and taken is not None:
                 self.retention.restore(conv, taken)  # still held on decode, unread
             raise
@@ -338,6 +344,8 @@ class TurnRunner:
         )
         if not req.api.token_ids_in_answer and leg is not None:
             ctx.prompt_ids = list(leg.prompt_token_ids)  # D's report replaces these, if any
+        if local:
+            ctx.local_prompt_on = holder  # counted until its first token (ctx.prompt_computed)
 
         def release_old() -> None:
             # A local-prefill turn ended (answered or not): the KV it started from is either
@@ -384,15 +392,23 @@ class TurnRunner:
             return
         in_background(self.deps.leases.release(holder, taken.handle_key))
 
-    def _prefills_locally(self, plan: ReusePlan, holder: Backend) -> bool:
+    def _prefills_locally(self, plan: ReusePlan, holder: Backend, prefill: Backend) -> bool:
         """Whether decode computes this turn's new tokens itself (``local_prefill_max_tokens``):
-        the prompt extends everything decode holds for the conversation, by few tokens, and
-        decode is there to take it."""
+        the prompt extends everything decode holds for the conversation, by few tokens, decode
+        is there to take it, and it has no more prompts queued than prefill.
+
+        The last condition spreads prompt work over both instances when many conversations
+        run at once: with every turn short, decode would otherwise compute them all, one after
+        another between its decode steps, while prefill waits idle. Both counts are this
+        router's own (turns on decode before their first token; prefill legs in flight); a tie
+        stays on decode, which saves the two transfers.
+        """
         new = plan.new_tokens
         return (
             self.s.reuse_policy == "kvtether" and plan.cause is None
             and plan.handle is not None and new is not None
             and 0 < new <= self.s.local_prefill_max_tokens and holder.available
+            and holder.local_prompts <= prefill.inflight
         )
 
     async def _cached_on_decode(
@@ -532,7 +548,7 @@ class TurnRunner:
             timings.plan_tokenize_s = req.tokenize_s
             assert holder is not None
             local = plan(prompt_ids)
-            if self._prefills_locally(local, holder):
+            if self._prefills_locally(local, holder, prefill):
                 # Decode computes this turn on what its prefix cache holds: no handle goes to
                 # prefill, so nothing need outlive a prefill queue. Renewing here would wait
                 # for one of decode's steps (the lease table applies changes between steps):
