@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from kvtether.connector._leases import LeaseTable
+from kvtether.connector._leases import LeaseTable, Reply
 from kvtether.protocol import HandleResponse, LeaseInfo, LeaseState
 
 
@@ -113,7 +113,7 @@ def test_release_frees_at_once_and_reports_released(clock: FakeClock) -> None:
     sink: dict[str, float] = {}
 
     def engine() -> None:
-        while not table._ops:
+        while not table.has_pending_work():
             threading.Event().wait(0.001)
         sink.update(table.drain())
         table.on_freed([rid for rid, deadline in sink.items() if deadline <= clock.now])
@@ -131,17 +131,38 @@ def test_release_frees_at_once_and_reports_released(clock: FakeClock) -> None:
     assert table.counters()["leases_released"] == 1
 
 
-def test_release_without_waiting_answers_202_once_applied(clock: FakeClock) -> None:
+def test_a_release_that_does_not_wait_answers_202_without_an_engine_step(
+    clock: FakeClock,
+) -> None:
+    # A loaded engine's step can outlast a session client's DELETE: the release is decided at
+    # once, and the worker is told at the next step.
     table = make_table(clock)
     open_lease(table)
-    sink: dict[str, float] = {}
-    thread = engine_step_soon(table, sink)  # applies it; the worker frees nothing yet
-    reply = table.release("k1", wait_s=0)
-    thread.join()
-    assert reply.status == 202 and reply.body["state"] == "releasing"
-    assert sink == {"r1": 1000.0}  # the worker is told to free it at once
+    woken: list[bool] = []
+    table.on_queued = lambda: woken.append(True)
+    reply = table.release("k1", wait_s=0)  # no engine thread at all
+    assert reply.status == 202 and reply.body["state"] == "releasing" and woken == [True]
+    assert table.handle("k1", 0).body["error"]["code"] == "released"  # no handle from now on
+    assert table.renew("k1", 60).status == 410  # nor a renewal
+    assert table.has_pending_work()  # a sleeping engine steps to tell its worker
+    assert table.drain() == {"r1": 1000.0}  # the worker is told to free it at once
+    assert table.drain() == {}  # once
     table.on_freed(["r1"])
     assert table.lease("k1").body["state"] == "released"
+
+
+def test_a_renewal_queued_before_a_release_finds_it_released(clock: FakeClock) -> None:
+    table = make_table(clock)
+    open_lease(table)
+    replies: list[Reply] = []
+    renewer = threading.Thread(target=lambda: replies.append(table.renew("k1", 60)))
+    renewer.start()
+    while not table._ops:  # the renewal waits for the engine loop
+        threading.Event().wait(0.001)
+    assert table.release("k1", wait_s=0).status == 202
+    assert table.drain() == {"r1": 1000.0}  # the release's deadline, not the renewal's
+    renewer.join()
+    assert replies[0].status == 410 and replies[0].body["error"]["code"] == "released"
 
 
 def test_freed_after_deadline_is_expired_before_is_consumed(clock: FakeClock) -> None:

@@ -57,12 +57,14 @@ def finish_decode_turn(h: Harness, rid: str, key: str | None, max_tokens: int = 
 
 
 def call_during_step(h: Harness, call: Callable[[], Reply]) -> tuple[Reply, Any]:
-    """Run a control-channel call that waits for the engine loop, and step the loop once."""
+    """Run a control-channel call that waits for the engine loop (a renewal) or for the worker
+    (a release, started at once), and step the loop once."""
     result: list[Reply] = []
     thread = threading.Thread(target=lambda: result.append(call()))
     thread.start()
-    wait_for(lambda: h.conn.leases._ops or not thread.is_alive(), timeout_s=5, interval_s=0.001,
-             message="the call to wait for the engine loop")
+    leases = h.conn.leases
+    wait_for(lambda: leases._ops or leases._updates or not thread.is_alive(), timeout_s=5,
+             interval_s=0.001, message="the call to wait for the engine loop")
     out = h.step()
     thread.join(timeout=5)
     return result[0], out.kv_connector_metadata

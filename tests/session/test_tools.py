@@ -170,6 +170,26 @@ def test_a_slow_router_does_not_hold_up_the_tool(
     s.close()
 
 
+def test_a_heartbeat_waits_for_a_loaded_router_up_to_its_interval(
+    router: FakeRouter, client: OpenAI, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A renewal waits for decode's next engine step; on a loaded decode that can take longer
+    # than request_timeout_s. The heartbeat runs beside the tool, so it waits up to its
+    # interval rather than failing and backing off (16 conversations on a saturated stack
+    # logged such timeouts).
+    s = Session(
+        router.url, settings=SessionSettings(heartbeat_interval_s=0.6, request_timeout_s=0.1)
+    )
+    first_turn(s.wrap(client))
+    router.heartbeat_delay_s = 0.3  # 3x request_timeout_s, half the interval
+    with caplog.at_level(logging.WARNING, logger="kvtether"), s.tool_call("pytest") as run:
+        wait_for(lambda: run.heartbeats >= 2, timeout_s=10)
+    assert run.heartbeat_failures == 0
+    assert not [r for r in caplog.records if "heartbeat" in r.getMessage()]
+    router.heartbeat_delay_s = 0
+    s.close()
+
+
 @pytest.mark.parametrize("status", [404, 409], ids=["unknown", "policy_without_leases"])
 def test_unknown_session_stops_heartbeats_quietly(
     router: FakeRouter, session: Session, client: OpenAI, status: int

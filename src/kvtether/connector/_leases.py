@@ -3,11 +3,13 @@
 Plain Python (no vLLM), shared by two kinds of threads:
 
 * the **engine loop** (vLLM's scheduler, through ``kvtether.connector.nixl``) opens a lease
-  when a turn finishes, applies queued renew / release operations once per step
-  (:meth:`LeaseTable.drain`), and closes a lease when the worker reports its blocks freed
-  (:meth:`LeaseTable.on_freed`);
-* the **control channel**'s HTTP threads read snapshots, long-poll for handles, and queue
-  renew / release operations, waiting until the engine loop has applied them.
+  when a turn finishes, applies queued renewals once per step and hands the worker every new
+  deadline (:meth:`LeaseTable.drain`), and closes a lease when the worker reports its blocks
+  freed (:meth:`LeaseTable.on_freed`);
+* the **control channel**'s HTTP threads read snapshots, long-poll for handles, queue
+  renewals, waiting until the engine loop has applied them (a longer deadline must reach the
+  worker before the old one passes), and start releases at once (an earlier deadline is safe
+  whenever it arrives).
 
 All state sits behind one ``threading.Condition``; every method holds it only briefly. Deadlines
 are in the engine-core process's ``time.perf_counter()`` domain, the same clock vLLM stamps
@@ -115,6 +117,8 @@ class LeaseTable:
         # they would open is released at once. Bounded like the history.
         self._released_early: OrderedDict[str, None] = OrderedDict()
         self._ops: list[_Op] = []
+        # Deadlines decided off the engine loop (a release), for the worker at the next step.
+        self._updates: dict[str, float] = {}
         self._counters: Counter[str] = Counter({name: 0 for name in COUNTER_NAMES})
         # Called (outside the lock) when an operation waits for the engine loop: a sleeping
         # engine must wake to apply it (kvtether.connector.scheduler).
@@ -181,10 +185,11 @@ class LeaseTable:
             self._cond.notify_all()
 
     def drain(self) -> dict[str, float]:
-        """Apply queued renew / release operations; returns ``{request_id: new deadline}``."""
+        """Apply queued renewals; returns ``{request_id: new deadline}`` for the worker
+        (with the releases decided since the last step)."""
         with self._cond:
             ops, self._ops = self._ops, []
-            updates: dict[str, float] = {}
+            updates, self._updates = self._updates, {}
             for op in ops:
                 op.reply = self._apply(op, updates)
                 op.done.set()
@@ -218,7 +223,7 @@ class LeaseTable:
         """Operations wait for the engine loop, or a release started in the last
         ``window_s`` is not freed yet (an engine step frees it)."""
         with self._cond:
-            if self._ops:
+            if self._ops or self._updates:
                 return True
             now = self._clock()
             return any(x.state is LeaseState.RELEASING and now - x.deadline <= window_s
@@ -233,12 +238,21 @@ class LeaseTable:
         return self._submit(_Op("renew", key, ttl_s))
 
     def release(self, key: str, wait_s: float | None = None) -> Reply:
-        """Start freeing ``key``'s blocks (applied at the next engine step), then wait up to
-        ``wait_s`` (default ``op_timeout_s``) for the worker to have freed them: 200 with the
-        final state once freed, else 202 (releasing; freed within a step or two)."""
-        reply = self._submit(_Op("release", key))
+        """Start freeing ``key``'s blocks, then wait up to ``wait_s`` (default
+        ``op_timeout_s``) for the worker to have freed them: 200 with the final state once
+        freed, else 202 (releasing; freed within a step or two).
+
+        Decided at once, not at the next engine step as a renewal is: a release only ever ends
+        a lease, so nothing can read blocks the answer promised (the lease is ``releasing``
+        from now on: no handle, no renewal), and the worker is told at the next step. A loaded
+        engine's step can take seconds, longer than a session client waits for its DELETE.
+        """
+        with self._cond:
+            reply = self._apply(_Op("release", key), self._updates)
         if reply.status != 202:
             return reply
+        if self.on_queued is not None:
+            self.on_queued()  # a sleeping engine steps to tell its worker
         wait = self.op_timeout_s if wait_s is None else min(wait_s, self.op_timeout_s)
         end = self._clock() + wait
         with self._cond:

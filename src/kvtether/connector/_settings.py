@@ -77,7 +77,8 @@ class ConnectorSettings(BaseModel):
     )
     op_timeout_s: float = Field(
         default=10.0, gt=0, allow_inf_nan=False, alias="kvtether_op_timeout_s",
-        description="How long renew / release wait for the engine loop to apply them.",
+        description="How long a renewal waits for the engine loop to apply it, and the longest "
+        "a release waits for the worker to free the blocks.",
     )
     require_block_hashes: bool = Field(
         default=False, alias="kvtether_require_block_hashes",

@@ -158,9 +158,9 @@ class LeaseClient:
         if not decode.control_url or not key:
             return False
         try:
-            # wait_s=0: answered once decode's engine loop has applied the release (the next
-            # step), not once its worker has freed the blocks (a step or two later: more than a
-            # session client's 2 s on a loaded CPU decode, seen in a 16-conversation soak).
+            # wait_s=0: answered as soon as decode has started the release, not once its worker
+            # has freed the blocks (a step or two later: more than a session client's 2 s on a
+            # loaded CPU decode, seen in a 16-conversation soak).
             r = await decode.client.delete(
                 f"{decode.control_url}{_PREFIX}/leases/{key}", headers=self._headers,
                 params={"wait_s": 0}, timeout=self._timeout_s,

@@ -56,6 +56,16 @@ class HeartbeatPlan:
         return {"Content-Type": "application/json", **self._state.auth_headers()}
 
     @property
+    def timeout_s(self) -> float:
+        """How long one heartbeat waits for its answer: ``request_timeout_s``, or up to the
+        heartbeat interval when that is longer. Nobody waits on a heartbeat (it runs beside
+        the tool), and a loaded router answers late, not never: the renewal waits for decode's
+        next engine step, which a step with prefill work in it can hold for seconds. One
+        heartbeat at a time is in flight either way."""
+        settings = self._state.settings
+        return max(settings.request_timeout_s, settings.heartbeat_interval_s)
+
+    @property
     def wanted(self) -> bool:
         return self.url is not None and self._state.has_lease
 
@@ -137,7 +147,8 @@ class ThreadHeartbeat:
                 return
             try:
                 response = self._client().post(
-                    self._plan.url, content=body, headers=self._plan.headers()
+                    self._plan.url, content=body, headers=self._plan.headers(),
+                    timeout=self._plan.timeout_s,
                 )
             except (httpx.HTTPError, RuntimeError) as exc:  # RuntimeError: client closed
                 delay_s = self._plan.on_error(exc)
@@ -177,7 +188,8 @@ class TaskHeartbeat:
                 return
             try:
                 response = await self._client().post(
-                    self._plan.url, content=body, headers=self._plan.headers()
+                    self._plan.url, content=body, headers=self._plan.headers(),
+                    timeout=self._plan.timeout_s,
                 )
             except (httpx.HTTPError, RuntimeError) as exc:
                 delay_s = self._plan.on_error(exc)

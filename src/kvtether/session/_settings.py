@@ -47,8 +47,9 @@ class SessionSettings(BaseSettings):
     request_timeout_s: float = Field(
         default=2.0,
         gt=0,
-        description="timeout of session API calls (heartbeat, release, status); kept short so a "
-        "slow router never holds up the agent",
+        description="timeout of session API calls (release, status; a heartbeat, which runs "
+        "beside the tool, waits up to heartbeat_interval_s when that is longer); kept short so "
+        "a slow router never holds up the agent",
     )
     on_prefix_break: Literal["warn", "log", "ignore"] = Field(
         default="warn",
