@@ -179,11 +179,14 @@ class Window:
 
 
 # --------------------------------------------------------------------------- the stack's side
-class ProcessLike(Protocol):
-    """What the watch reads of a stack process (a ``kvtether.stack`` process record)."""
-
+class _Named(Protocol):
     name: str
     pid: int
+
+
+class ProcessLike(_Named, Protocol):
+    """What the watch reads of a stack process (a ``kvtether.stack`` process record)."""
+
     create_time: float | None
     log_path: Path
 
@@ -291,9 +294,10 @@ class StackWatch:
         return new
 
 
-def dump_stacks(record: ProcessLike, out_dir: Path) -> list[str]:
+def dump_stacks(record: _Named, out_dir: Path, prefix: str = "") -> list[str]:
     """Every thread's Python and native stack of ``record``'s process and its children, taken
-    from outside with py-spy (when installed: the dev extra has it), one file per process.
+    from outside with py-spy (when installed: the dev extra has it), one file per process,
+    vLLM's engine core and worker first; each file starts with the time it was taken.
 
     From outside, because a stall vLLM reports ("No available shared memory broadcast block")
     can sit where no in-process watch runs: between two steps, in vLLM's RPC queue."""
@@ -303,19 +307,21 @@ def dump_stacks(record: ProcessLike, out_dir: Path) -> list[str]:
     try:
         root = psutil.Process(record.pid)
         procs = [root, *root.children(recursive=True)]
+        procs.sort(key=lambda p: 0 if p.name().startswith("VLLM::") else 1)
     except psutil.Error:
         return []
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%H%M%S")
     written = []
     for proc in procs:
-        out = out_dir / f"{record.name}-{stamp}-{proc.pid}.txt"
+        out = out_dir / f"{prefix}{record.name}-{stamp}-{proc.pid}.txt"
+        taken = time.strftime("%H:%M:%S")
         try:
             r = subprocess.run([spy, "dump", "--native", "--pid", str(proc.pid)],
                                capture_output=True, text=True, timeout=30)
-            out.write_text(f"{' '.join(proc.cmdline()[:4])}\n{r.stdout}{r.stderr}")
+            out.write_text(f"taken {taken}: {' '.join(proc.cmdline()[:4])}\n{r.stdout}{r.stderr}")
         except (OSError, subprocess.SubprocessError, psutil.Error) as exc:
-            out.write_text(f"py-spy dump failed: {exc!r}\n")
+            out.write_text(f"taken {taken}: py-spy dump failed: {exc!r}\n")
         written.append(str(out))
     return written
 
