@@ -16,7 +16,7 @@ from kvtether.errors import (
     StackNotRunningError,
 )
 from kvtether.stack._state import load_state, state_path
-from kvtether.stack.launcher import Stack, stack_down, stack_status
+from kvtether.stack.launcher import Stack, stack_down, stack_status, warn_if_cores_shared
 from kvtether.stack.settings import StackSettings
 from tests.support.waiting import wait_for
 
@@ -228,3 +228,18 @@ def test_each_stack_gets_a_fresh_control_secret_for_its_instances_and_router(
     chosen = _with(fake_settings, connector="kvtether", control_secret="mine")
     with Stack(chosen, commands=FakeCommands()) as stack:
         assert stack.control_secret == "mine"
+
+
+@pytest.mark.parametrize(("prefill", "decode", "cores", "warned"),
+                         [(2, 2, 2, True), (1, 1, 2, False), (2, 2, 4, False)])
+def test_a_cpu_stack_with_more_instances_than_cores_is_warned_about(
+    fake_settings: StackSettings, caplog: pytest.LogCaptureFixture,
+    prefill: int, decode: int, cores: int, warned: bool,
+) -> None:
+    settings = _with(fake_settings, prefill=prefill, decode=decode)
+    assert settings.device == "cpu"
+    with caplog.at_level("WARNING", logger="kvtether.stack.launcher"):
+        assert warn_if_cores_shared(settings, cores=cores) is warned
+    assert any("share cores" in r.getMessage() for r in caplog.records) is warned
+    gpu = _with(fake_settings, profile="gpu", prefill=prefill, decode=decode)
+    assert warn_if_cores_shared(gpu, cores=1) is False  # one GPU each, not a core

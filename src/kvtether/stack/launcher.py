@@ -152,6 +152,7 @@ class Stack:
         model_dir, served = resolve_model(self.settings)
         self._plans = plan_processes(self.settings, model_dir, served, self._control_secret)
         check_ports(self.settings.host, self._plans)
+        warn_if_cores_shared(self.settings)
         self.state = StackState(
             detached=detach,
             owner_stops_on_sigterm=self.owner_stops_on_sigterm and not detach,
@@ -303,6 +304,28 @@ class Stack:
     def _wait(self, procs: list[Starting]) -> None:
         timeout_s = self.settings.health_timeout_s
         wait_healthy(procs, timeout_s, progress=self.progress, console=self.console)
+
+
+def warn_if_cores_shared(settings: StackSettings, cores: int | None = None) -> bool:
+    """Warn when a CPU stack has more vLLM instances than the host has cores.
+
+    Each CPU instance computes on one core (``_commands.cpu_core``); with more instances than
+    cores two share one, and on a 2-core host a 2P+2D stack's engine steps took 16-110 s
+    under load, in vLLM's RPC queue between engine and worker, whatever the connector
+    (docs/failures.md). It still starts: a short test may be fine, and the router gives up
+    on a stalled instance in bounded time.
+    """
+    cores = cores or os.cpu_count() or 1
+    instances = settings.prefill + settings.decode
+    if settings.device != "cpu" or instances <= cores:
+        return False
+    logger.warning(
+        "%dP+%dD is %d vLLM instances on %d cores: instances will share cores, and on loaded "
+        "hosts their engine steps then stall for tens of seconds (docs/failures.md); run at "
+        "most one instance per core (1P+1D on 2 cores)",
+        settings.prefill, settings.decode, instances, cores,
+    )
+    return True
 
 
 def _client_api_key(settings: StackSettings) -> str | None:
