@@ -42,10 +42,21 @@ def _free(port: int) -> bool:
     return True
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for outgoing connections' local ports."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port_block(n: int) -> int:
-    """A base port with n free ports after it (random high range, away from real stacks)."""
+    """A base port with n free ports after it, away from real stacks and below the ephemeral
+    range: a port free when chosen there can be taken, before the fake server binds it, as the
+    local end of any outgoing connection (CI: "Address already in use" on a fake decode)."""
+    high = min(_ephemeral_low(), 32768)
     for _ in range(200):
-        base = random.randrange(20000, 60000 - n)
+        base = random.randrange(20000, high - n)
         if all(_free(base + i) for i in range(n)):
             return base
     raise RuntimeError("no free port block")
