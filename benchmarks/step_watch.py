@@ -89,6 +89,15 @@ def dump(all_instances: list[Instance], stalled: Instance, out: Path) -> list[st
             for path in dump_stacks(inst, out, prefix)]
 
 
+def watching(before: list[Instance] | None, now: list[Instance]) -> str | None:
+    """What to say when the set of instances watched changed (None: it did not)."""
+    if before is not None and {i.name for i in before} == {i.name for i in now}:
+        return None
+    if not now:
+        return "no vLLM instance with the kvtether connector found (yet)"
+    return "watching " + ", ".join(sorted(i.name for i in now))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="where the dumps go")
@@ -102,10 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("py-spy is not installed (the dev extra has it)")
     args.out.mkdir(parents=True, exist_ok=True)
     last: dict[str, float] = {}
+    before: list[Instance] | None = None
     with httpx.Client() as client:
         try:
             while True:
                 found = instances()
+                if (said := watching(before, found)) is not None:
+                    print(f"{time.strftime('%H:%M:%S')} {said}", flush=True)
+                before = found
                 for inst in found:
                     running = step_running_s(client, inst)
                     if running is None or running < args.after_s:

@@ -32,6 +32,16 @@ def test_it_finds_every_kvtether_instance_from_its_command_line(
     assert step_watch.instances() == [step_watch.Instance("decode-9002", 10, 9002, "s10")]
 
 
+def test_it_says_which_instances_it_watches_when_that_changes() -> None:
+    d, pf = step_watch.Instance("decode-9002", 1, 9002, None), step_watch.Instance(
+        "prefill-9001", 2, 9001, None)
+    assert step_watch.watching(None, []) == (
+        "no vLLM instance with the kvtether connector found (yet)")
+    assert step_watch.watching([], [d, pf]) == "watching decode-9002, prefill-9001"
+    assert step_watch.watching([pf, d], [d, pf]) is None
+    assert step_watch.watching([d, pf], [pf]) == "watching prefill-9001"
+
+
 def test_an_unreachable_instance_reads_as_no_step() -> None:
     import httpx
 
