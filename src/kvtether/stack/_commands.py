@@ -275,6 +275,11 @@ def _has_password(url: str) -> bool:
     return "@" in url.partition("://")[2].partition("/")[0]
 
 
+def host_cores() -> int:
+    """The cores CPU instances are placed on (:func:`cpu_core`), one each, round-robin."""
+    return os.cpu_count() or 1
+
+
 def cpu_core(plan: InstancePlan, settings: StackSettings) -> int:
     """The core a CPU instance's worker computes on: one each, decode instances first.
 
@@ -287,7 +292,7 @@ def cpu_core(plan: InstancePlan, settings: StackSettings) -> int:
     reference beside a test stack) shares decode-0's core: the baseline then computes where
     kvtether's decode does, and beside a stack it runs between decode's turns.
     """
-    cores = os.cpu_count() or 1
+    cores = host_cores()
     if plan.role == "reference":
         return 0
     suffix = plan.name.rsplit("-", 1)[-1]  # prefill-0, decode-1, ... (_plan.plan_stack)

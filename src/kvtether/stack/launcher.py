@@ -30,7 +30,7 @@ from kvtether.errors import (
     StackError,
 )
 from kvtether.stack import _procs
-from kvtether.stack._commands import CommandBuilder, InstancePlan, VllmCommands
+from kvtether.stack._commands import CommandBuilder, InstancePlan, VllmCommands, host_cores
 from kvtether.stack._control import (
     InstanceStatus,
     stack_down,
@@ -315,7 +315,7 @@ def warn_if_cores_shared(settings: StackSettings, cores: int | None = None) -> b
     (docs/failures.md). It still starts: a short test may be fine, and the router gives up
     on a stalled instance in bounded time.
     """
-    cores = cores or os.cpu_count() or 1
+    cores = cores or host_cores()
     instances = settings.prefill + settings.decode
     if settings.device != "cpu" or instances <= cores:
         return False
