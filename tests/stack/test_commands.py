@@ -146,6 +146,7 @@ def test_cpu_profiles_let_an_idle_stack_sleep() -> None:
         assert extra["kvtether_rpc_busy_loop_s"] == 0.02
         assert extra["kvtether_idle_tick_s"] == 5
         assert cmd.env["UCX_USE_MT_MUTEX"] == "y"
+        assert cmd.env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "0"
 
 
 def test_smol_profiles_take_small_steps_and_the_rest_keep_vllms() -> None:

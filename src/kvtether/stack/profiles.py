@@ -35,7 +35,12 @@ _CPU: dict[str, Any] = {
     "idle_sleep": True,
     "progress_thread_delay_us": 2000,
     "rpc_busy_loop_s": 0.02,
-    "vllm_env": {"UCX_USE_MT_MUTEX": "y"},
+    # oneDNN keeps every matmul primitive it builds (1,024 by default), one per weight shape
+    # and batch size, so a worker's RSS grew for as long as new step sizes came (+150 MiB on
+    # decode in a 30-minute soak, still rising). vLLM keeps its own 32 per weight shape, which
+    # is all a step needs: with oneDNN's cache off, flat RSS and the same step times
+    # (benchmarks/onednn_cache.py; docs/cpu-hosts.md).
+    "vllm_env": {"UCX_USE_MT_MUTEX": "y", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"},
     # vLLM's own step size (a tiny model's steps cost milliseconds whatever their size).
     "max_num_batched_tokens": None,
     "long_prefill_token_threshold": None,
