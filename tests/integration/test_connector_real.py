@@ -88,8 +88,9 @@ def _launch(name: str, idx: int, tmp: Path, extra_args: list[str]) -> Instance:
             "--worker-cls", "kvtether.connector.worker.WatchedCPUWorker", *extra_args]
     log = tmp / f"{name}.log"
     with log.open("wb") as out:
+        # its own process group in this session, as the stack spawns (kvtether.stack._procs)
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                process_group=0)
     return Instance(name, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{_CONTROL + idx}"
                     "/kvtether/v1", proc, log)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 from pathlib import Path
 
 import psutil
@@ -243,3 +245,19 @@ def test_a_cpu_stack_with_more_instances_than_cores_is_warned_about(
     assert any("share cores" in r.getMessage() for r in caplog.records) is warned
     gpu = _with(fake_settings, profile="gpu", prefill=prefill, decode=decode)
     assert warn_if_cores_shared(gpu, cores=1) is False  # one GPU each, not a core
+
+
+def test_spawned_processes_lead_a_group_in_the_launcher_s_session(tmp_path: Path) -> None:
+    """Not a session of their own: Linux's scheduler autogroups give each session one share of
+    each core, which starved a worker that shared its core with another instance's."""
+    popen = _procs.spawn([sys.executable, "-c", "import time; time.sleep(30)"], {},
+                         tmp_path / "x.log", die_with_parent=True)
+    try:
+        assert os.getpgid(popen.pid) == popen.pid  # stop_group signals it whole
+        assert os.getsid(popen.pid) == os.getsid(0)
+        mine = Path("/proc/self/autogroup")
+        if mine.exists():
+            assert Path(f"/proc/{popen.pid}/autogroup").read_text() == mine.read_text()
+    finally:
+        assert _procs.stop_group(popen.pid, _procs.create_time(popen.pid), timeout_s=5) == []
+        popen.wait(5)

@@ -1,8 +1,16 @@
 """Process mechanics: spawn in a fresh process group, stop the whole group, leave no orphans.
 
-Every process the stack starts leads its own session (``start_new_session=True``), so a
-terminal's Ctrl-C reaches only ``kvtether`` itself, which then stops the children in order, and
-stopping one instance signals its whole group (vLLM's API server plus its EngineCore child).
+Every process the stack starts leads its own process group, so a terminal's Ctrl-C reaches only
+``kvtether`` itself, which then stops the children in order, and stopping one instance signals
+its whole group (vLLM's API server plus its EngineCore child).
+
+It stays in the launcher's session, not a session of its own (``setpgid``, not ``setsid``):
+Linux's scheduler autogroups (``kernel.sched_autogroup_enabled``, on by default in most
+distributions) give each session one share of CPU per core, split across cores by where its load
+is. With an instance per session, a vLLM worker pinned to a core it shares with another
+instance's worker got no CPU at all for 10-30 s at a time while that worker computed, although
+the other core had idle time: the 2P+2D "freeze" (docs/failures.md). In one session every thread
+competes on its own, as it does with autogroups off.
 """
 
 from __future__ import annotations
@@ -15,10 +23,12 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -44,6 +54,11 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _own_group_dying_with_parent() -> None:  # Python 3.10: no ``process_group`` argument
+    os.setpgid(0, 0)
+    _die_with_parent()
+
+
 def spawn(
     argv: Sequence[str],
     env: Mapping[str, str],
@@ -52,13 +67,20 @@ def spawn(
     die_with_parent: bool = False,
     append: bool = False,
 ) -> subprocess.Popen[bytes]:
-    """Start ``argv`` as the leader of a new session, stdout and stderr into ``log_path``.
+    """Start ``argv`` as the leader of a new process group in this session (module doc), stdout
+    and stderr into ``log_path``.
 
     ``die_with_parent`` asks Linux to SIGTERM the child if this process dies without stopping
     it (e.g. SIGKILL of a foreground ``stack up``); detached stacks must not use it.
     ``append`` keeps what the log holds (a restarted instance's log keeps its crash).
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    group: dict[str, Any] = {"preexec_fn": _die_with_parent if die_with_parent else None}
+    if sys.version_info >= (3, 11):
+        group["process_group"] = 0
+    else:  # pragma: no cover - the 3.10 floor
+        group["preexec_fn"] = (_own_group_dying_with_parent if die_with_parent
+                               else lambda: os.setpgid(0, 0))
     with open(log_path, "ab" if append else "wb") as log:
         return subprocess.Popen(
             list(argv),
@@ -66,8 +88,7 @@ def spawn(
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_die_with_parent if die_with_parent else None,
+            **group,
         )
 
 

@@ -310,19 +310,19 @@ def warn_if_cores_shared(settings: StackSettings, cores: int | None = None) -> b
     """Warn when a CPU stack has more vLLM instances than the host has cores.
 
     Each CPU instance computes on one core (``_commands.cpu_core``); with more instances than
-    cores two share one, and on a 2-core host a 2P+2D stack's engine steps took 16-110 s
-    under load, in vLLM's RPC queue between engine and worker, whatever the connector
-    (docs/failures.md). It still starts: a short test may be fine, and the router gives up
-    on a stalled instance in bounded time.
+    cores two workers share one and each computes at most half the time. (The engine steps of
+    16-110 s once seen at 2P+2D on 2 cores were the scheduler's autogroups, one per instance,
+    not the sharing itself: the stack now runs as one autogroup, ``_procs.spawn``,
+    docs/failures.md.) It still starts.
     """
     cores = cores or host_cores()
     instances = settings.prefill + settings.decode
     if settings.device != "cpu" or instances <= cores:
         return False
     logger.warning(
-        "%dP+%dD is %d vLLM instances on %d cores: instances will share cores, and on loaded "
-        "hosts their engine steps then stall for tens of seconds (docs/failures.md); run at "
-        "most one instance per core (1P+1D on 2 cores)",
+        "%dP+%dD is %d vLLM instances on %d cores: instances will share cores, two workers "
+        "on one core each computing at most half the time; for the fastest turns run at most "
+        "one instance per core (1P+1D on 2 cores)",
         settings.prefill, settings.decode, instances, cores,
     )
     return True
