@@ -7,6 +7,13 @@ from kvtether.router.settings import RouterSettings
 
 __all__ = ["RouterSettings", "create_app", "serve"]
 
+# How long the router (and the front) keeps an idle client connection open. uvicorn's default,
+# 5 s, equals the idle expiry of httpx's pool, which the OpenAI SDK and kvtether's clients use:
+# with equal timers a client can send a turn on a connection the server is closing, and the turn
+# fails before it left (APIConnectionError; seen once in a 1,254-turn soak, whose SDK does not
+# retry). Longer than any such client's expiry, the client always closes first.
+SERVER_KEEP_ALIVE_S = 75
+
 
 def create_app(settings: RouterSettings, store=None, transport=None, clock=None):  # noqa: ANN001
     from kvtether.router.app import create_app as _create
@@ -24,4 +31,5 @@ def serve(settings: RouterSettings) -> None:
         port=settings.port,
         log_level="warning",
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=SERVER_KEEP_ALIVE_S,
     )

@@ -251,5 +251,8 @@ def serve_front(settings: FrontSettings) -> None:
     """Run the front in the foreground until interrupted."""
     import uvicorn
 
+    from kvtether.router import SERVER_KEEP_ALIVE_S
+
     uvicorn.run(create_front_app(settings), host=settings.host, port=settings.port,
-                log_level="warning", timeout_graceful_shutdown=5)
+                log_level="warning", timeout_graceful_shutdown=5,
+                timeout_keep_alive=SERVER_KEEP_ALIVE_S)
