@@ -105,7 +105,8 @@ class ThreadSample:
     comm: str
     state: str  # R running or runnable, S sleeping, D in uninterruptible wait, ...
     run_ns: int  # CPU time so far
-    wait_ns: int  # time spent runnable on a run queue, not running
+    wait_ns: int  # time spent runnable on a run queue, not running; Linux adds a wait when the
+    # thread next runs, so one that stays runnable and never runs shows no wait (and no CPU) yet
     allowed: str = ""  # the cores it may run on (Cpus_allowed_list)
     doing: str = ""  # "user", a system call's name (or number), "" when unknown
 
@@ -217,7 +218,8 @@ def sched_report(stalled: str, window_s: float, before: dict[int, ThreadSample],
         r = main_thread(kind)
         if r is None:
             return f"{kind} not found"
-        return f"{kind} {r[0].state}, ran {r[1]:.0f} ms, waited runnable {r[2]:.0f} ms"
+        never = " (runnable and never run in the window)" if r[0].state == "R" and not r[1] else ""
+        return f"{kind} {r[0].state}, ran {r[1]:.0f} ms, waited runnable {r[2]:.0f} ms{never}"
 
     summary = (f"{stalled} over {window_s:.1f} s: {said('VLLM::Worker')}; "
                f"{said('VLLM::EngineCore')}; all vLLM threads ran "

@@ -53,12 +53,20 @@ def test_an_unreachable_instance_reads_as_no_step() -> None:
 def test_it_reads_every_thread_of_a_process_from_proc() -> None:
     import os
     import threading
+    import time
 
     stop = threading.Event()
-    spinner = threading.Thread(target=lambda: stop.wait(5), name="watched")
+    spinner = threading.Thread(target=lambda: stop.wait(30), name="watched")
     spinner.start()
     try:
-        seen = step_watch.sample_threads([("me python", os.getpid())])
+        # until the thread is asleep in its wait (on a loaded host it may still be starting)
+        deadline = time.monotonic() + 20
+        while True:
+            seen = step_watch.sample_threads([("me python", os.getpid())])
+            asleep = seen.get(spinner.native_id)
+            if (asleep and asleep.state == "S") or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
     finally:
         stop.set()
         spinner.join()
@@ -111,6 +119,8 @@ def test_the_report_names_the_thread_that_held_the_stalled_worker_s_core() -> No
     middle = [{30: T(**{**mate.__dict__, "doing": d})} for d in ("sched_yield",) * 3 + ("user",)]
     summary, table = step_watch.sched_report(
         "prefill-9000", 3.0, {20: stalled, 30: mate, 40: other}, after, {}, {}, middle)
+    assert summary.startswith("prefill-9000 over 3.0 s: VLLM::Worker R, ran 0 ms, waited "
+                              "runnable 0 ms (runnable and never run in the window); ")
     assert summary.endswith("; on core 0 decode-9002 VLLM::Worker (30) ran 2900 ms, "
                             "seen sched_yield 3/4, user 1/4")
     assert "sched_yield 3/4, user 1/4" in table.splitlines()[4]  # its row, second by time
