@@ -294,6 +294,16 @@ class StackWatch:
         return new
 
 
+def _describe(exc: BaseException) -> str:
+    """``Type: message``, with the cause the SDK wraps (an APIConnectionError says only
+    "Connection error."; its cause says which: refused, reset, a closed keep-alive connection)."""
+    said = f"{type(exc).__name__}: {exc}"
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and cause is not exc:
+        said += f" (from {type(cause).__name__}: {cause})"
+    return said[:300]
+
+
 def dump_stacks(record: _Named, out_dir: Path, prefix: str = "") -> list[str]:
     """Every thread's Python and native stack of ``record``'s process and its children, taken
     from outside with py-spy (when installed: the dev extra has it), one file per process,
@@ -519,7 +529,7 @@ class _Soak:
             record.error = "cancelled (Ctrl-C)"
             raise
         except Exception as exc:  # a failed turn is a result, not a crash of the soak
-            record.error = f"{type(exc).__name__}: {exc}"[:300]
+            record.error = _describe(exc)
         else:
             record.latency_s = round(time.perf_counter() - started, 4)
             record.ttft_s = None if ttft_s is None else round(ttft_s, 4)

@@ -199,3 +199,19 @@ def test_with_url_it_watches_the_stack_recorded_for_that_url_from_now_on(tmp_pat
     assert watch.scan_logs() == [
         "prefill-0: ERROR No available shared memory broadcast block found in 60 seconds"]
     assert set(watch.rss_mib()) == {"prefill-0", "soak"}
+
+
+def test_a_failed_turn_says_what_the_sdk_s_error_wraps() -> None:
+    import httpx
+    import openai
+
+    try:
+        try:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        except httpx.RemoteProtocolError as cause:
+            raise openai.APIConnectionError(request=httpx.Request("POST", "http://x")) from cause
+    except openai.APIConnectionError as exc:
+        said = soak._describe(exc)
+    assert said == ("APIConnectionError: Connection error. (from RemoteProtocolError: Server "
+                    "disconnected without sending a response.)")
+    assert soak._describe(ValueError("x" * 400)) == f"ValueError: {'x' * 288}"
