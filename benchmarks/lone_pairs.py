@@ -1,0 +1,117 @@
+"""One conversation at a time on colocated and on kvtether, interleaved session by session.
+
+`kvtether bench --concurrency 1` replays the whole scenario on colocated, then on kvtether: the
+two halves run minutes apart, and on a shared host the same turn's compute time moved by 20%
+within minutes, which swamps a +50 ms target. Here both deployments are up at once (colocated
+on its own port, one instance; kvtether 1P+1D; an idle stack uses ~0.07 cores) and each
+scenario session runs on one, then straight away on the other, the order alternating from
+session to session, so each turn's pair is measured seconds apart.
+
+For every fired streamed turn of kvtether it prints the TTFT beside colocated's for the same
+turn, the difference and whether it is within ``--margin-ms``; outputs are compared with
+colocated's as in the bench. Not part of ``make test``.
+
+    python -m benchmarks.lone_pairs --scenario docs/benchmarks/sweep-local-prefill/scenario.json \\
+        --json /tmp/lone.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from kvtether.bench.compare import replay_scenario
+from kvtether.bench.metrics import TurnResult, mark_divergence
+from kvtether.bench.scenario import load_scenario
+from kvtether.bench.strategies import STRATEGIES, StrategyOptions, start_strategy
+
+
+def pair(colocated: list[TurnResult], kvtether: list[TurnResult],
+         margin_s: float) -> list[dict[str, Any]]:
+    """Each fired streamed kvtether turn beside colocated's same turn, by new tokens."""
+    ref = {(t.session, t.turn): t for t in colocated if t.ttft_s is not None}
+    rows = []
+    for t in kvtether:
+        c = ref.get((t.session, t.turn))
+        if not (t.stream and t.fired and t.ttft_s is not None and c is not None):
+            continue
+        assert c.ttft_s is not None
+        diff = t.ttft_s - c.ttft_s
+        rows.append({"session": t.session, "turn": t.turn,
+                     "new_tokens": t.prompt_tokens - t.reused_tokens,
+                     "colocated_ttft_s": round(c.ttft_s, 4), "kvtether_ttft_s": round(t.ttft_s, 4),
+                     "diff_s": round(diff, 4), "within": diff <= margin_s})
+    return sorted(rows, key=lambda r: r["new_tokens"])
+
+
+def summary(rows: list[dict[str, Any]], margin_s: float) -> str:
+    if not rows:
+        return "no fired streamed turn to compare"
+    diffs = [r["diff_s"] for r in rows]
+    median = statistics.median(diffs)
+    return (f"{sum(r['within'] for r in rows)} of {len(rows)} fired streamed turns within "
+            f"+{margin_s * 1000:.0f} ms of colocated; difference median {median:+.3f} s, "
+            f"largest {max(diffs):+.3f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenario", type=Path, required=True)
+    parser.add_argument("--profile", default="cpu-bench")
+    parser.add_argument("--port", type=int, default=8800,
+                        help="kvtether's router; colocated listens at port + 150")
+    parser.add_argument("--state-dir", type=Path, default=Path(".kvtether/lone-pairs"))
+    parser.add_argument("--prefill-cache", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--compress", type=float, default=16.0)
+    parser.add_argument("--turn-timeout-s", type=float, default=600.0)
+    parser.add_argument("--margin-ms", type=float, default=50.0)
+    parser.add_argument("--json", type=Path, help="write every turn and the pairs here")
+    args = parser.parse_args(argv)
+    scenario = load_scenario(args.scenario)
+    margin_s = args.margin_ms / 1000
+
+    def options(port: int) -> StrategyOptions:
+        return StrategyOptions(profile=args.profile, compress=args.compress, port=port,
+                               state_dir=args.state_dir, prefill_prefix_caching=args.prefill_cache)
+
+    run_id = uuid.uuid4().hex[:8]
+    turns: dict[str, list[TurnResult]] = {"colocated": [], "kvtether": []}
+    with start_strategy(STRATEGIES["colocated"], options(args.port + 50)) as colocated, \
+            start_strategy(STRATEGIES["kvtether"], options(args.port)) as kvtether:
+        endpoints = {"colocated": colocated, "kvtether": kvtether}
+        for i, session in enumerate(scenario.sessions):
+            one = scenario.model_copy(update={"sessions": [session]})
+            order = ["colocated", "kvtether"] if i % 2 == 0 else ["kvtether", "colocated"]
+            for name in order:
+                replayed = asyncio.run(replay_scenario(
+                    one, endpoints[name], STRATEGIES[name], args, run_id, lambda n: None,
+                    concurrency=1))
+                turns[name] += replayed.turns
+            print(f"{session.id}: {len(session.turns)} turns, {' then '.join(order)}", flush=True)
+    mark_divergence(turns["colocated"], turns["kvtether"])
+    rows = pair(turns["colocated"], turns["kvtether"], margin_s)
+    print(f"{'session':8} {'turn':>4} {'new tok':>7} {'colocated':>9} {'kvtether':>9} {'diff':>7}")
+    for r in rows:
+        print(f"{r['session']:8} {r['turn']:>4} {r['new_tokens']:>7} {r['colocated_ttft_s']:>9.3f} "
+              f"{r['kvtether_ttft_s']:>9.3f} {r['diff_s']:>+7.3f}{'' if r['within'] else '  over'}")
+    said = summary(rows, margin_s)
+    diverged = sum(1 for t in turns["kvtether"] if t.diverged)
+    failed = sum(1 for name in turns for t in turns[name] if t.error is not None)
+    print(f"{said}; {diverged} divergent, {failed} failed turns")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "scenario": str(args.scenario), "profile": args.profile, "margin_s": margin_s,
+            "summary": said, "pairs": rows,
+            "turns": {name: [t.as_dict() for t in ts] for name, ts in turns.items()},
+        }, indent=1))
+    return 0 if not failed and not diverged else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
