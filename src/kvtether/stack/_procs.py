@@ -8,7 +8,7 @@ It stays in the launcher's session, not a session of its own (``setpgid``, not `
 Linux's scheduler autogroups (``kernel.sched_autogroup_enabled``, on by default in most
 distributions) give each session one share of CPU per core, split across cores by where its load
 is. With an instance per session, a vLLM worker pinned to a core it shares with another
-instance's worker got no CPU at all for 10-30 s at a time while that worker computed, although
+instance's worker got no CPU at all for 10-47 s at a time while that worker computed, although
 the other core had idle time: the 2P+2D "freeze" (docs/failures.md). In one session every thread
 competes on its own, as it does with autogroups off.
 """
