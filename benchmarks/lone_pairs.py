@@ -44,7 +44,7 @@ def pair(colocated: list[TurnResult], kvtether: list[TurnResult],
         assert c.ttft_s is not None
         diff = t.ttft_s - c.ttft_s
         rows.append({"session": t.session, "turn": t.turn,
-                     "new_tokens": t.prompt_tokens - t.reused_tokens,
+                     "new_tokens": t.recomputed_tokens,
                      "colocated_ttft_s": round(c.ttft_s, 4), "kvtether_ttft_s": round(t.ttft_s, 4),
                      "diff_s": round(diff, 4), "within": diff <= margin_s})
     return sorted(rows, key=lambda r: r["new_tokens"])

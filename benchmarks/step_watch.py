@@ -143,10 +143,10 @@ def _processes(inst: Instance) -> list[tuple[str, int]]:
         return []
 
 
-def sample_threads(processes: list[tuple[str, int]], proc: Path = Path("/proc"),
-                   detail: bool = True) -> dict[int, ThreadSample]:
-    """Every thread of ``processes`` ((label, pid) pairs) as the scheduler sees it now; with
-    ``detail``, also its cores and the system call it is in."""
+def sample_threads(processes: list[tuple[str, int]],
+                   proc: Path = Path("/proc")) -> dict[int, ThreadSample]:
+    """Every thread of ``processes`` ((label, pid) pairs) as the scheduler sees it now, with
+    its cores and, when runnable, the system call it is in."""
     out = {}
     for label, pid in processes:
         try:
@@ -163,8 +163,7 @@ def sample_threads(processes: list[tuple[str, int]], proc: Path = Path("/proc"),
             comm = stat[stat.index("(") + 1:stat.rindex(")")]
             state = stat[stat.rindex(")") + 2:].split()[0]
             out[tid] = ThreadSample(label, pid, tid, comm, state, run_ns, wait_ns,
-                                    _allowed(task) if detail else "",
-                                    _doing(task) if detail and state == "R" else "")
+                                    _allowed(task), _doing(task) if state == "R" else "")
     return out
 
 
