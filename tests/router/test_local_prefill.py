@@ -224,5 +224,53 @@ async def test_a_short_turn_goes_through_prefill_while_decode_has_one_queued(
         assert tb3.outcome == "fired"
         assert h.d.decode_params[-1].get(p.KV_PARAM_LOCAL_PREFILL) is True
         assert len(h.p.prefill_requests) == prefills + 1
-        assert all(d.local_prompts == 0 for d in h.app.state.pool.decode)
+        assert all(b.prompt_backlog_tokens == 0 for b in h.app.state.pool.all)
         h.assert_kv_correct()
+
+
+async def test_short_turns_stay_on_decode_while_prefill_computes_a_long_first_turn() -> None:
+    """The backlog is counted in prompt tokens, not turns: two short turns queued on decode
+    are less work than one long first turn on prefill, so a third short turn joins decode's
+    queue rather than waiting behind the long prompt (the tail of the 16-session bench)."""
+    async with make_router(control=True, fake=FAKE, local_prefill_max_tokens=200) as h:
+        agents = [h.conversation(f"short-{i}") for i in range(3)]
+        for a in agents:
+            await a.say("first question " * 20)
+        prefills = len(h.p.prefill_requests)
+
+        p_gate = h.p.hold_next()
+        long_first = asyncio.create_task(h.conversation("long").say("a long document " * 150))
+        await _until(lambda: h.p.holding)
+        d_gates, queued = [], []
+        for a in agents[:2]:
+            d_gates.append(h.d.hold_next())
+            queued.append(asyncio.create_task(a.say("short tool output " * 10)))
+            await _until(lambda n=len(queued): h.d.inflight == n)
+        pool = h.app.state.pool
+        assert pool.prefill[0].inflight == 1 and pool.decode[0].prompt_backlog_tokens > 0
+        assert pool.decode[0].prompt_backlog_tokens < pool.prefill[0].prompt_backlog_tokens
+        for b in pool.all:
+            assert await h.metric("kvtether_prompt_backlog_tokens",
+                                  f'instance="{b.name}"') == b.prompt_backlog_tokens
+
+        third = await agents[2].say("short result " * 10)
+        assert third.outcome == "fired"
+        assert h.d.decode_params[-1].get(p.KV_PARAM_LOCAL_PREFILL) is True
+        assert len(h.p.prefill_requests) == prefills + 1  # the long turn's, still held
+
+        p_gate.set()
+        for g in d_gates:
+            g.set()
+        assert (await long_first).status == 200
+        assert [(await t).outcome for t in queued] == ["fired", "fired"]
+        assert len(h.p.prefill_requests) == prefills + 1
+        assert all(b.prompt_backlog_tokens == 0 for b in pool.all)
+        h.assert_kv_correct()
+
+
+async def _until(cond: object, timeout_s: float = 2.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if cond():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met")

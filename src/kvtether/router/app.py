@@ -96,6 +96,9 @@ def create_app(
     keys = KeyRing.from_settings(settings)  # a bad key file fails here, before serving
     pool = BackendPool(settings, transport)
     metrics = RouterMetrics()
+    for backend in pool.all:
+        metrics.prompt_backlog_tokens.labels(backend.name).set_function(
+            lambda b=backend: b.prompt_backlog_tokens)
     background: set[asyncio.Task] = set()
 
     def release_dropped(conv) -> None:  # noqa: ANN001

@@ -33,9 +33,10 @@ class Backend:
     control_url: str | None
     client: httpx.AsyncClient
     inflight: int = 0
-    # Turns this router sent here to compute their new tokens on decode (local prefill) whose
-    # first token has not come back yet: decode's queue of prompt work, as far as it knows.
-    local_prompts: int = 0
+    # Prompt tokens this router sent here that have not produced their first token yet: a
+    # prefill instance's legs in flight, a decode instance's local-prefill turns. The queue of
+    # prompt work ahead of the next turn, as far as this router knows (``_prefills_locally``).
+    prompt_backlog_tokens: int = 0
     retained_tokens: int = 0
     down_until_monotonic_s: float = 0.0
     last_error: str | None = None

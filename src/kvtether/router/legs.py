@@ -174,14 +174,15 @@ async def tokenize(
 async def prefill(
     backend: Backend, endpoint: str, body: dict[str, Any], request_id: str,
     handle: dict[str, Any] | None, *, timeout_s: float | None = None,
-    holder: Backend | None = None,
+    holder: Backend | None = None, work_tokens: int = 0,
 ) -> PrefillResult:
     """Run the prompt on P (one token), reading ``handle`` from D when there is one.
 
     ``timeout_s``: how long to wait for P's answer (it comes whole, at the end of the leg);
     past it the request is dropped (vLLM aborts it) and :class:`PrefillTimedOut` raised.
     ``holder``: the decode instance ``handle`` is on; if it (or P) stalls meanwhile, the leg
-    is given up at once with :class:`PrefillStalled`.
+    is given up at once with :class:`PrefillStalled`. ``work_tokens``: the prompt tokens P
+    computes, counted in its ``prompt_backlog_tokens`` while the leg is in flight.
     """
     api = api_for(endpoint)
     leg_body = api.prefill_body(body)
@@ -190,6 +191,7 @@ async def prefill(
         leg_body["kv_transfer_params"][p.KV_PARAM_REPORT_TOKEN_IDS] = True
     t0 = time.perf_counter()
     backend.inflight += 1
+    backend.prompt_backlog_tokens += work_tokens
     try:
         r = await watch(backend.client.post(
             endpoint, json=leg_body, headers={"X-Request-Id": request_id},
@@ -201,6 +203,7 @@ async def prefill(
         raise PrefillStalled(backend, time.perf_counter() - t0, exc.backend) from None
     finally:
         backend.inflight -= 1
+        backend.prompt_backlog_tokens -= work_tokens
     leg_s = time.perf_counter() - t0
     if r.status_code != 200:
         raise UpstreamError.from_response(r)

@@ -91,6 +91,11 @@ class RouterMetrics:
             "kvtether_retained_tokens", "Tokens of KV retained on a decode instance",
             ["instance"], registry=r,
         )
+        self.prompt_backlog_tokens = Gauge(
+            "kvtether_prompt_backlog_tokens", "Prompt tokens this router sent to an instance "
+            "that have no first token yet (prefill legs in flight; decode: local-prefill "
+            "turns): what local prefill balances", ["instance"], registry=r,
+        )
         self.active_leases = Gauge(
             "kvtether_active_leases", "Conversations holding retained KV", registry=r
         )

@@ -58,13 +58,15 @@ class TurnContext:
     # Filled while relaying: the sequence D now holds KV for.
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
-    # A turn decode computes itself: counted in its ``local_prompts`` until the first token.
+    # A turn decode computes itself: its new tokens count in the instance's
+    # ``prompt_backlog_tokens`` until the first token.
     local_prompt_on: Backend | None = None
+    local_prompt_tokens: int = 0
 
     def prompt_computed(self) -> None:
         """Decode has computed this turn's prompt (its first token came, or the turn ended)."""
         if self.local_prompt_on is not None:
-            self.local_prompt_on.local_prompts -= 1
+            self.local_prompt_on.prompt_backlog_tokens -= self.local_prompt_tokens
             self.local_prompt_on = None
 
 

@@ -87,8 +87,8 @@ class RetentionSettings(BaseModel):
         "computes them on that KV (found in its own prefix cache) and retains the result "
         "under a new lease, with no KV transfer (conditional disaggregation; kvtether policy "
         "and APIs the router can tokenize only; 0: every turn goes through prefill); while "
-        "decode has more such turns waiting for their first token than prefill has legs in "
-        "flight, the turn goes through prefill instead",
+        "decode has more prompt tokens of such turns waiting for their first token than "
+        "prefill has in its legs in flight, the turn goes through prefill instead",
     )
     max_branches: int = Field(
         default=4, ge=1, le=64,

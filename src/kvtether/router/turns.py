@@ -10,6 +10,7 @@ bottom in one class; every part that stands alone has left for its own module.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from dataclasses import dataclass, field, replace
@@ -49,6 +50,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["TurnRequest", "TurnRunner"]
 
 # Why a conversation's decode-held KV is gone while decode's prefix cache may still hold it.
+# Request bytes per prompt token, to guess a leg's work where the router has no token ids.
+_BYTES_PER_TOKEN = 4
 _GONE = frozenset({p.MissCause.LEASE_EXPIRED, p.MissCause.EVICTED, p.MissCause.RELEASED,
                    p.MissCause.NOT_RETAINED})
 
@@ -223,7 +226,8 @@ class TurnRunner:
         leg: legs.PrefillResult | None = None
         try:
             if not local:
-                leg = await self._prefill_leg(prefill, refused, req, plan.handle, holder)
+                leg = await self._prefill_leg(prefill, refused, req, plan.handle, holder,
+                                              _prompt_work(req, plan))
         except legs.PrefillTimedOut as exc:
             # A frozen or hopelessly queued prefill: decode answers alone (recomputing the
             # prompt). A handle taken for the leg stays under its hand-off lease: P may still
@@ -274,9 +278,10 @@ class TurnRunner:
             assert holder is not None
             preferred = holder.name
         decode_sent = clock.now_unix_s()
+        local_work = (plan.new_tokens or 0) if local else 0
         if local:
             assert holder is not None
-            holder.local_prompts += 1  # decode's queue of prompt work (_prefills_locally)
+            holder.prompt_backlog_tokens += local_work  # decode's prompt work (_prefills_locally)
         try:
             decode, upstream = await legs.open_decode(
                 self.pool, preferred, req.endpoint, body, req.request_id,
@@ -286,7 +291,7 @@ class TurnRunner:
         except BaseException:
             if local:
                 assert holder is not None
-                holder.local_prompts -= 1
+                holder.prompt_backlog_tokens -= local_work
             if local and conv is not None and taken is not None:
                 self.retention.restore(conv, taken)  # still held on decode, unread
             raise
@@ -345,7 +350,8 @@ class TurnRunner:
         if not req.api.token_ids_in_answer and leg is not None:
             ctx.prompt_ids = list(leg.prompt_token_ids)  # D's report replaces these, if any
         if local:
-            ctx.local_prompt_on = holder  # counted until its first token (ctx.prompt_computed)
+            # Counted until its first token (ctx.prompt_computed).
+            ctx.local_prompt_on, ctx.local_prompt_tokens = holder, local_work
 
         def release_old() -> None:
             # A local-prefill turn ended (answered or not): the KV it started from is either
@@ -395,20 +401,22 @@ class TurnRunner:
     def _prefills_locally(self, plan: ReusePlan, holder: Backend, prefill: Backend) -> bool:
         """Whether decode computes this turn's new tokens itself (``local_prefill_max_tokens``):
         the prompt extends everything decode holds for the conversation, by few tokens, decode
-        is there to take it, and it has no more prompts queued than prefill.
+        is there to take it, and it has no more prompt work queued than prefill.
 
         The last condition spreads prompt work over both instances when many conversations
         run at once: with every turn short, decode would otherwise compute them all, one after
-        another between its decode steps, while prefill waits idle. Both counts are this
-        router's own (turns on decode before their first token; prefill legs in flight); a tie
-        stays on decode, which saves the two transfers.
+        another between its decode steps, while prefill waits idle. The work is counted in
+        prompt tokens (``Backend.prompt_backlog_tokens``: local-prefill turns before their
+        first token; prefill legs in flight), not turns: one turn 1 of 700 tokens on prefill
+        holds a short turn up longer than three short turns on decode. Both are this router's
+        own counts; a tie stays on decode, which saves the two transfers.
         """
         new = plan.new_tokens
         return (
             self.s.reuse_policy == "kvtether" and plan.cause is None
             and plan.handle is not None and new is not None
             and 0 < new <= self.s.local_prefill_max_tokens and holder.available
-            and holder.local_prompts <= prefill.inflight
+            and holder.prompt_backlog_tokens <= prefill.prompt_backlog_tokens
         )
 
     async def _cached_on_decode(
@@ -493,13 +501,13 @@ class TurnRunner:
 
     async def _prefill_leg(
         self, prefill: Backend, refused: set[str], req: TurnRequest,
-        handle: dict[str, Any] | None, holder: Backend | None = None,
+        handle: dict[str, Any] | None, holder: Backend | None = None, work_tokens: int = 0,
     ) -> legs.PrefillResult:
         while True:
             try:
                 return await legs.prefill(prefill, req.endpoint, req.body, req.request_id,
                                           handle, timeout_s=self.s.prefill_leg_timeout_s,
-                                          holder=holder)
+                                          holder=holder, work_tokens=work_tokens)
             except legs.PrefillRefused as exc:
                 prefill = self._instead_of_refused(refused, exc)
 
@@ -676,6 +684,17 @@ def _decode_alone_outcome(
     if plan.handle is None:
         return p.ReuseOutcome.miss(p.MissCause.NOT_RETAINED)
     return p.ReuseOutcome.miss(p.MissCause.TRANSFER_FAILED, 0, plan.expected_reused_tokens)
+
+
+def _prompt_work(req: TurnRequest, plan: ReusePlan) -> int:
+    """Prompt tokens a prefill leg will compute, for the backlog count: the tokens past the
+    handle where the router tokenized the prompt, else the whole request at ~4 bytes a token
+    (a first turn or a miss; prefill's prefix cache may hold some of it)."""
+    if plan.new_tokens is not None:
+        return plan.new_tokens
+    if req.prompt_ids is not None:
+        return max(0, len(req.prompt_ids) - plan.expected_reused_tokens)
+    return len(json.dumps(req.body, separators=(",", ":"))) // _BYTES_PER_TOKEN
 
 
 def _local_prefix_hit(plan: ReusePlan, block_size: int) -> int:
