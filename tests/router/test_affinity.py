@@ -125,3 +125,10 @@ def test_new_conversations_alternate_decodes_when_prefill_picks_come_between() -
     # ... and a shorter queue wins over retaining less: a burst of new conversations spreads.
     pool.decode[1].inflight = 1
     assert {pool.pick_decode(None).name for _ in range(3)} == {"decode-0"}
+    # A prefill instance is picked by the prompt tokens of its legs in flight, then by legs:
+    # two short legs are less work than one long first turn.
+    pool.prefill[0].inflight, pool.prefill[0].prompt_backlog_tokens = 2, 120
+    pool.prefill[1].inflight, pool.prefill[1].prompt_backlog_tokens = 1, 700
+    assert {pool.pick_prefill().name for _ in range(3)} == {"prefill-0"}
+    pool.prefill[0].prompt_backlog_tokens = 700
+    assert {pool.pick_prefill().name for _ in range(3)} == {"prefill-1"}

@@ -251,7 +251,10 @@ class BackendPool:
 
     def pick_prefill(self, exclude: set[str] = frozenset()) -> Backend | None:  # type: ignore[assignment]
         return self._least_loaded(
-            [b for b in self.prefill if b.name not in exclude], key=lambda b: b.inflight
+            [b for b in self.prefill if b.name not in exclude],
+            # Prompt tokens in flight first: one long first turn is more work than two short
+            # legs (the same measure local prefill balances by); then the number of legs.
+            key=lambda b: (b.prompt_backlog_tokens, b.inflight),
         )
 
     def pick_decode(self, preferred: str | None, exclude: set[str] = frozenset()) -> Backend | None:  # type: ignore[assignment]
