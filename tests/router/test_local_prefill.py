@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -201,11 +201,7 @@ async def test_a_short_turn_goes_through_prefill_while_decode_has_one_queued(
         prefills = len(h.p.prefill_requests)
         gate = h.d.hold_next()
         waiting = asyncio.create_task(a.say("short tool output " * 10, stream=stream))
-        for _ in range(200):
-            if h.d.holding:
-                break
-            await asyncio.sleep(0.01)
-        assert h.d.holding
+        await _until(lambda: h.d.holding)
 
         tb = await b.say("short result " * 10, stream=stream)
         assert tb.outcome == "fired"
@@ -268,9 +264,9 @@ async def test_short_turns_stay_on_decode_while_prefill_computes_a_long_first_tu
         h.assert_kv_correct()
 
 
-async def _until(cond: object, timeout_s: float = 2.0) -> None:
+async def _until(cond: Callable[[], bool], timeout_s: float = 2.0) -> None:
     for _ in range(int(timeout_s / 0.01)):
-        if cond():  # type: ignore[operator]
+        if cond():
             return
         await asyncio.sleep(0.01)
     raise AssertionError("condition not met")
