@@ -11,8 +11,13 @@ For every fired streamed turn of kvtether it prints the TTFT beside colocated's 
 turn, the difference and whether it is within ``--margin-ms``; outputs are compared with
 colocated's as in the bench. Not part of ``make test``.
 
+Even seconds apart, the same engine's compute of the same turn moves by tens of milliseconds
+on a shared host. ``--repeat N`` runs the whole scenario N times (each repeat under a system
+prompt of its own, so that no repeat reads another's prefix cache, and with the session order
+flipped from one repeat to the next); a turn's figures are then the medians of its N pairs.
+
     python -m benchmarks.lone_pairs --scenario docs/benchmarks/sweep-local-prefill/scenario.json \\
-        --json /tmp/lone.json
+        --repeat 3 --json /tmp/lone.json
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Any
 
 from kvtether.bench.compare import replay_scenario
 from kvtether.bench.metrics import TurnResult, mark_divergence
-from kvtether.bench.scenario import load_scenario
+from kvtether.bench.scenario import Scenario, load_scenario
 from kvtether.bench.strategies import STRATEGIES, StrategyOptions, start_strategy
 
 
@@ -48,6 +53,25 @@ def pair(colocated: list[TurnResult], kvtether: list[TurnResult],
                      "colocated_ttft_s": round(c.ttft_s, 4), "kvtether_ttft_s": round(t.ttft_s, 4),
                      "diff_s": round(diff, 4), "within": diff <= margin_s})
     return sorted(rows, key=lambda r: r["new_tokens"])
+
+
+def medians(rows: list[dict[str, Any]], margin_s: float) -> list[dict[str, Any]]:
+    """One row per (session, turn) from the rows of several repeats: the medians of its
+    colocated and kvtether TTFTs and of its differences (``pairs``: how many repeats had it)."""
+    by_turn: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        by_turn.setdefault((r["session"], r["turn"]), []).append(r)
+    out = []
+    for (session, turn), rs in by_turn.items():
+        diff = statistics.median(r["diff_s"] for r in rs)
+        def mid(field: str, rs: list[dict[str, Any]] = rs) -> float:
+            return statistics.median(r[field] for r in rs)
+
+        out.append({"session": session, "turn": turn, "new_tokens": round(mid("new_tokens")),
+                    "colocated_ttft_s": round(mid("colocated_ttft_s"), 4),
+                    "kvtether_ttft_s": round(mid("kvtether_ttft_s"), 4),
+                    "diff_s": round(diff, 4), "within": diff <= margin_s, "pairs": len(rs)})
+    return sorted(out, key=lambda r: r["new_tokens"])
 
 
 def summary(rows: list[dict[str, Any]], margin_s: float) -> str:
@@ -71,8 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compress", type=float, default=16.0)
     parser.add_argument("--turn-timeout-s", type=float, default=600.0)
     parser.add_argument("--margin-ms", type=float, default=50.0)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the scenario N times; a turn's figures are its N medians")
     parser.add_argument("--json", type=Path, help="write every turn and the pairs here")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat must be 1 or more, got {args.repeat}")
     scenario = load_scenario(args.scenario)
     margin_s = args.margin_ms / 1000
 
@@ -81,36 +109,63 @@ def main(argv: list[str] | None = None) -> int:
                                state_dir=args.state_dir, prefill_prefix_caching=args.prefill_cache)
 
     run_id = uuid.uuid4().hex[:8]
-    turns: dict[str, list[TurnResult]] = {"colocated": [], "kvtether": []}
+    repeats: list[dict[str, list[TurnResult]]] = []
     with start_strategy(STRATEGIES["colocated"], options(args.port + 50)) as colocated, \
             start_strategy(STRATEGIES["kvtether"], options(args.port)) as kvtether:
         endpoints = {"colocated": colocated, "kvtether": kvtether}
-        for i, session in enumerate(scenario.sessions):
-            one = scenario.model_copy(update={"sessions": [session]})
-            order = ["colocated", "kvtether"] if i % 2 == 0 else ["kvtether", "colocated"]
-            for name in order:
-                replayed = asyncio.run(replay_scenario(
-                    one, endpoints[name], STRATEGIES[name], args, run_id, lambda n: None,
-                    concurrency=1))
-                turns[name] += replayed.turns
-            print(f"{session.id}: {len(session.turns)} turns, {' then '.join(order)}", flush=True)
-    mark_divergence(turns["colocated"], turns["kvtether"])
-    rows = pair(turns["colocated"], turns["kvtether"], margin_s)
+        for rep in range(args.repeat):
+            turns: dict[str, list[TurnResult]] = {"colocated": [], "kvtether": []}
+            this = repeated(scenario, rep)
+            for i, session in enumerate(this.sessions):
+                one = this.model_copy(update={"sessions": [session]})
+                order = ["colocated", "kvtether"][::1 if (i + rep) % 2 == 0 else -1]
+                for name in order:
+                    replayed = asyncio.run(replay_scenario(
+                        one, endpoints[name], STRATEGIES[name], args, f"{run_id}-r{rep}",
+                        lambda n: None, concurrency=1))
+                    turns[name] += replayed.turns
+                print(f"repeat {rep + 1}/{args.repeat} {session.id}: {len(session.turns)} turns, "
+                      f"{' then '.join(order)}", flush=True)
+            # Outputs are compared within a repeat: each repeat's prompts are its own.
+            mark_divergence(turns["colocated"], turns["kvtether"])
+            repeats.append(turns)
+    per_repeat = [pair(t["colocated"], t["kvtether"], margin_s) for t in repeats]
+    for rep, rows in enumerate(per_repeat):
+        for r in rows:
+            r["repeat"] = rep
+    flat = [r for rows in per_repeat for r in rows]
+    rows = medians(flat, margin_s) if args.repeat > 1 else flat
     print(f"{'session':8} {'turn':>4} {'new tok':>7} {'colocated':>9} {'kvtether':>9} {'diff':>7}")
     for r in rows:
         print(f"{r['session']:8} {r['turn']:>4} {r['new_tokens']:>7} {r['colocated_ttft_s']:>9.3f} "
               f"{r['kvtether_ttft_s']:>9.3f} {r['diff_s']:>+7.3f}{'' if r['within'] else '  over'}")
+    if args.repeat > 1:
+        for rep, pr in enumerate(per_repeat):
+            print(f"repeat {rep + 1} alone: {summary(pr, margin_s)}")
+        print(f"medians of {args.repeat} repeats: ", end="")
     said = summary(rows, margin_s)
-    diverged = sum(1 for t in turns["kvtether"] if t.diverged)
-    failed = sum(1 for name in turns for t in turns[name] if t.error is not None)
+    every = [t for turns in repeats for name in turns for t in turns[name]]
+    diverged = sum(1 for t in every if t.diverged)
+    failed = sum(1 for t in every if t.error is not None)
     print(f"{said}; {diverged} divergent, {failed} failed turns")
     if args.json:
         args.json.write_text(json.dumps({
             "scenario": str(args.scenario), "profile": args.profile, "margin_s": margin_s,
-            "summary": said, "pairs": rows,
-            "turns": {name: [t.as_dict() for t in ts] for name, ts in turns.items()},
+            "repeat": args.repeat, "summary": said, "pairs": rows, "pairs_per_repeat": flat,
+            "turns": [{name: [t.as_dict() for t in ts] for name, ts in turns.items()}
+                      for turns in repeats],
         }, indent=1))
     return 0 if not failed and not diverged else 1
+
+
+def repeated(scenario: Scenario, rep: int) -> Scenario:
+    """Repeat ``rep``'s scenario: from the second on, a system prompt of its own (fresh
+    conversation ids keep repeats apart on kvtether, but colocated's prefix cache matches
+    prompts, and would serve a later repeat what an earlier one computed)."""
+    if not rep:
+        return scenario
+    return scenario.model_copy(update={
+        "system_prompt": f"Repeat {rep + 1}.\n{scenario.system_prompt}"})
 
 
 if __name__ == "__main__":

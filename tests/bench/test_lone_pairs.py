@@ -33,3 +33,27 @@ def test_fired_streamed_turns_are_paired_with_colocated_s_same_turn() -> None:
         "2 of 3 fired streamed turns within +50 ms of colocated; difference median +0.040 s, "
         "largest +0.200 s")
     assert lone_pairs.summary([], 0.05) == "no fired streamed turn to compare"
+
+
+def test_repeats_are_summed_up_by_each_turn_s_medians() -> None:
+    rows = []
+    for rep, (c, k) in enumerate([(0.50, 0.70), (0.60, 0.58), (0.55, 0.57)]):
+        pairs = lone_pairs.pair([_turn("s1", 2, c)], [_turn("s1", 2, k)], 0.05)
+        rows += [dict(r, repeat=rep) for r in pairs]
+    rows += lone_pairs.pair([_turn("s2", 2, 0.4)], [_turn("s2", 2, 0.5, new=50)], 0.05)
+    out = lone_pairs.medians(rows, 0.05)
+    assert [(r["session"], r["pairs"], r["within"]) for r in out] == [
+        ("s2", 1, False), ("s1", 3, True)]
+    # One slow repeat (+0.20 s) does not make the turn over the margin: its median is +0.02 s.
+    assert out[1]["diff_s"] == 0.02
+    assert (out[1]["colocated_ttft_s"], out[1]["kvtether_ttft_s"]) == (0.55, 0.58)
+
+
+def test_each_repeat_after_the_first_has_a_system_prompt_of_its_own() -> None:
+    from kvtether.bench.scenario import generate_scenario
+
+    base = generate_scenario(sessions=2, seed=1)
+    assert lone_pairs.repeated(base, 0) is base
+    second = lone_pairs.repeated(base, 1)
+    assert second.system_prompt == f"Repeat 2.\n{base.system_prompt}"
+    assert second.sessions == base.sessions
