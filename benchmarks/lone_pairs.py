@@ -63,14 +63,13 @@ def medians(rows: list[dict[str, Any]], margin_s: float) -> list[dict[str, Any]]
         by_turn.setdefault((r["session"], r["turn"]), []).append(r)
     out = []
     for (session, turn), rs in by_turn.items():
-        diff = statistics.median(r["diff_s"] for r in rs)
-        def mid(field: str, rs: list[dict[str, Any]] = rs) -> float:
-            return statistics.median(r[field] for r in rs)
-
-        out.append({"session": session, "turn": turn, "new_tokens": round(mid("new_tokens")),
-                    "colocated_ttft_s": round(mid("colocated_ttft_s"), 4),
-                    "kvtether_ttft_s": round(mid("kvtether_ttft_s"), 4),
-                    "diff_s": round(diff, 4), "within": diff <= margin_s, "pairs": len(rs)})
+        mid = {f: statistics.median(r[f] for r in rs)
+               for f in ("new_tokens", "colocated_ttft_s", "kvtether_ttft_s", "diff_s")}
+        out.append({"session": session, "turn": turn, "new_tokens": round(mid["new_tokens"]),
+                    "colocated_ttft_s": round(mid["colocated_ttft_s"], 4),
+                    "kvtether_ttft_s": round(mid["kvtether_ttft_s"], 4),
+                    "diff_s": round(mid["diff_s"], 4), "within": mid["diff_s"] <= margin_s,
+                    "pairs": len(rs)})
     return sorted(out, key=lambda r: r["new_tokens"])
 
 
@@ -130,10 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             mark_divergence(turns["colocated"], turns["kvtether"])
             repeats.append(turns)
     per_repeat = [pair(t["colocated"], t["kvtether"], margin_s) for t in repeats]
-    for rep, rows in enumerate(per_repeat):
-        for r in rows:
-            r["repeat"] = rep
-    flat = [r for rows in per_repeat for r in rows]
+    flat = [dict(r, repeat=rep) for rep, rows in enumerate(per_repeat) for r in rows]
     rows = medians(flat, margin_s) if args.repeat > 1 else flat
     print(f"{'session':8} {'turn':>4} {'new tok':>7} {'colocated':>9} {'kvtether':>9} {'diff':>7}")
     for r in rows:
@@ -144,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"repeat {rep + 1} alone: {summary(pr, margin_s)}")
         print(f"medians of {args.repeat} repeats: ", end="")
     said = summary(rows, margin_s)
-    every = [t for turns in repeats for name in turns for t in turns[name]]
+    every = [t for by_name in repeats for ts in by_name.values() for t in ts]
     diverged = sum(1 for t in every if t.diverged)
     failed = sum(1 for t in every if t.error is not None)
     print(f"{said}; {diverged} divergent, {failed} failed turns")
@@ -152,20 +148,16 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({
             "scenario": str(args.scenario), "profile": args.profile, "margin_s": margin_s,
             "repeat": args.repeat, "summary": said, "pairs": rows, "pairs_per_repeat": flat,
-            "turns": [{name: [t.as_dict() for t in ts] for name, ts in turns.items()}
-                      for turns in repeats],
+            "turns": [{name: [t.as_dict() for t in ts] for name, ts in by_name.items()}
+                      for by_name in repeats],
         }, indent=1))
     return 0 if not failed and not diverged else 1
 
 
 def repeated(scenario: Scenario, rep: int) -> Scenario:
-    """Repeat ``rep``'s scenario: from the second on, a system prompt of its own (fresh
-    conversation ids keep repeats apart on kvtether, but colocated's prefix cache matches
-    prompts, and would serve a later repeat what an earlier one computed)."""
-    if not rep:
-        return scenario
-    return scenario.model_copy(update={
-        "system_prompt": f"Repeat {rep + 1}.\n{scenario.system_prompt}"})
+    """Repeat ``rep``'s scenario: from the second on, under a system prompt of its own (see
+    :meth:`Scenario.under_own_prompt`)."""
+    return scenario.under_own_prompt(f"Repeat {rep + 1}") if rep else scenario
 
 
 if __name__ == "__main__":

@@ -116,6 +116,13 @@ class Scenario(BaseModel):
             out["gaps_longer_than_fixed_ttl"] = sum(g > fixed_ttl_s for g in tools + humans)
         return out
 
+    def under_own_prompt(self, label: str) -> Scenario:
+        """This scenario with ``label`` ahead of its system prompt. For replaying it again on
+        the same engines: fresh conversation ids keep the replays' retained KV apart, but a
+        prefix cache (colocated's, prefill's) matches prompts, not ids, and would serve a later
+        replay whole prompts an earlier one computed."""
+        return self.model_copy(update={"system_prompt": f"{label}.\n{self.system_prompt}"})
+
     # --- files ---------------------------------------------------------------------------
     def save(self, path: Path) -> None:
         path = Path(path)

@@ -102,11 +102,9 @@ def run_sweep(args: argparse.Namespace, scenario: Scenario, command: str,
 
 
 def at_level(scenario: Scenario, level: int) -> Scenario:
-    """``scenario`` with a system prompt of its own per level: fresh conversation ids keep one
-    level from reading another's retained KV, but a prefix cache (colocated's) matches prompts,
-    not ids, and would serve a later level whole prompts an earlier one computed."""
-    return scenario.model_copy(update={
-        "system_prompt": f"Batch {level}.\n{scenario.system_prompt}"})
+    """``scenario`` with a system prompt of its own per level (see
+    :meth:`Scenario.under_own_prompt`)."""
+    return scenario.under_own_prompt(f"Batch {level}")
 
 
 def ttft_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
