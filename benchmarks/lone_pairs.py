@@ -4,8 +4,11 @@
 two halves run minutes apart, and on a shared host the same turn's compute time moved by 20%
 within minutes, which swamps a +50 ms target. Here both deployments are up at once (colocated
 on its own port, one instance; kvtether 1P+1D; an idle stack uses ~0.07 cores) and each
-scenario session runs on one, then straight away on the other, the order alternating from
-session to session, so each turn's pair is measured seconds apart.
+scenario session runs on both, turn by turn (``--interleave turn``, the default): turn k on one
+deployment, straight away turn k on the other, then turn k+1, one model call at a time, the
+order alternating from session to session, so each turn's two TTFTs are taken a second or two
+apart. ``--interleave session`` (the first version) ran the whole session on one deployment,
+then on the other: each pair tens of seconds apart.
 
 For every fired streamed turn of kvtether it prints the TTFT beside colocated's for the same
 turn, the difference and whether it is within ``--margin-ms``; outputs are compared with
@@ -29,12 +32,67 @@ import statistics
 import sys
 import uuid
 from pathlib import Path
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 from kvtether.bench.compare import replay_scenario
 from kvtether.bench.metrics import TurnResult, mark_divergence
+from kvtether.bench.replay import ReplayResult
 from kvtether.bench.scenario import Scenario, load_scenario
 from kvtether.bench.strategies import STRATEGIES, StrategyOptions, start_strategy
+
+
+class Lockstep:
+    """Replays of one session on several deployments, turn by turn: turn k on ``order[0]``,
+    then on ``order[1]`` ..., then turn k+1, one model call at a time. A replay that ends early
+    (a failed turn) is skipped from then on, so the others never wait for it."""
+
+    def __init__(self, order: Sequence[str]) -> None:
+        self.order = list(order)
+        self._turn, self._pos = 1, 0
+        self._ended: set[str] = set()
+        self._changed = asyncio.Event()
+
+    def of(self, name: str) -> _LockstepGate:
+        """The :class:`~kvtether.bench.replay.TurnGate` for ``name``'s replay."""
+        return _LockstepGate(self, name)
+
+    async def _enter(self, name: str, index: int) -> None:
+        while not (self._turn == index and self.order[self._pos] == name):
+            changed = self._changed
+            await changed.wait()
+
+    def _next(self) -> None:
+        for _ in self.order:  # the next slot of a replay that has not ended
+            self._pos += 1
+            if self._pos == len(self.order):
+                self._turn, self._pos = self._turn + 1, 0
+            if self.order[self._pos] not in self._ended:
+                break
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _end(self, name: str) -> None:
+        self._ended.add(name)
+        if self.order[self._pos] == name:
+            self._next()
+
+
+class _LockstepGate:
+    def __init__(self, lockstep: Lockstep, name: str) -> None:
+        self._lockstep, self._name = lockstep, name
+
+    @asynccontextmanager
+    async def turn(self, session: str, index: int) -> AsyncIterator[None]:
+        await self._lockstep._enter(self._name, index)
+        try:
+            yield
+        finally:
+            self._lockstep._next()
+
+    def ended(self, session: str) -> None:
+        self._lockstep._end(self._name)
 
 
 def pair(colocated: list[TurnResult], kvtether: list[TurnResult],
@@ -96,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--margin-ms", type=float, default=50.0)
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the scenario N times; a turn's figures are its N medians")
+    parser.add_argument("--interleave", choices=("turn", "session"), default="turn",
+                        help="turn: each turn on both deployments before the next (default); "
+                             "session: the whole session on one, then on the other")
     parser.add_argument("--json", type=Path, help="write every turn and the pairs here")
     args = parser.parse_args(argv)
     if args.repeat < 1:
@@ -118,11 +179,9 @@ def main(argv: list[str] | None = None) -> int:
             for i, session in enumerate(this.sessions):
                 one = this.model_copy(update={"sessions": [session]})
                 order = ["colocated", "kvtether"][::1 if (i + rep) % 2 == 0 else -1]
+                replayed = asyncio.run(both(one, order, endpoints, args, f"{run_id}-r{rep}"))
                 for name in order:
-                    replayed = asyncio.run(replay_scenario(
-                        one, endpoints[name], STRATEGIES[name], args, f"{run_id}-r{rep}",
-                        lambda n: None, concurrency=1))
-                    turns[name] += replayed.turns
+                    turns[name] += replayed[name].turns
                 print(f"repeat {rep + 1}/{args.repeat} {session.id}: {len(session.turns)} turns, "
                       f"{' then '.join(order)}", flush=True)
             # Outputs are compared within a repeat: each repeat's prompts are its own.
@@ -147,11 +206,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({
             "scenario": str(args.scenario), "profile": args.profile, "margin_s": margin_s,
-            "repeat": args.repeat, "summary": said, "pairs": rows, "pairs_per_repeat": flat,
+            "repeat": args.repeat, "interleave": args.interleave, "summary": said, "pairs": rows, "pairs_per_repeat": flat,
             "turns": [{name: [t.as_dict() for t in ts] for name, ts in by_name.items()}
                       for by_name in repeats],
         }, indent=1))
     return 0 if not failed and not diverged else 1
+
+
+async def both(one: Scenario, order: list[str], endpoints: dict[str, Any],
+               args: argparse.Namespace, run_id: str) -> dict[str, ReplayResult]:
+    """``one`` (a single session) on each deployment in ``order``: with ``--interleave turn``
+    both replays at once, in :class:`Lockstep`; with ``session`` one after the other."""
+
+    def replay(name: str, gate: Any = None) -> Any:
+        return replay_scenario(one, endpoints[name], STRATEGIES[name], args, run_id,
+                               lambda n: None, concurrency=1, gate=gate)
+
+    if args.interleave == "session":
+        return {name: await replay(name) for name in order}
+    lockstep = Lockstep(order)
+    done = await asyncio.gather(*(replay(name, lockstep.of(name)) for name in order))
+    return dict(zip(order, done, strict=True))
 
 
 def repeated(scenario: Scenario, rep: int) -> Scenario:

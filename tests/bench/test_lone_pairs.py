@@ -57,3 +57,43 @@ def test_each_repeat_after_the_first_has_a_system_prompt_of_its_own() -> None:
     second = lone_pairs.repeated(base, 1)
     assert second.system_prompt == f"Repeat 2.\n{base.system_prompt}"
     assert second.sessions == base.sessions
+
+
+def test_lockstep_runs_each_turn_on_every_deployment_before_the_next_one_at_a_time() -> None:
+    import asyncio
+
+    calls: list[tuple[str, int, str]] = []
+    in_flight = 0
+
+    async def replay(gate: lone_pairs._LockstepGate, name: str, turns: int,
+                     fail_at: int | None = None) -> None:
+        nonlocal in_flight
+        try:
+            for k in range(1, turns + 1):
+                try:
+                    async with gate.turn("s1", k):
+                        in_flight += 1
+                        assert in_flight == 1, "two model calls at once"
+                        calls.append((name, k, "start"))
+                        await asyncio.sleep(0.01 if name == "a" else 0)
+                        in_flight -= 1
+                        if k == fail_at:
+                            raise RuntimeError("turn failed")
+                except RuntimeError:
+                    return  # a failed turn ends its session, as in the replay
+                await asyncio.sleep(0.02 if name == "b" else 0)  # gaps of different lengths
+        finally:
+            gate.ended("s1")
+
+    async def run(fail_at: int | None) -> None:
+        lockstep = lone_pairs.Lockstep(["b", "a"])
+        await asyncio.wait_for(asyncio.gather(
+            replay(lockstep.of("a"), "a", 3, fail_at), replay(lockstep.of("b"), "b", 3)), 5)
+
+    asyncio.run(run(None))
+    assert [(n, k) for n, k, _ in calls] == [("b", 1), ("a", 1), ("b", 2), ("a", 2), ("b", 3),
+                                             ("a", 3)]
+    calls.clear()
+    # "a" fails its second turn: "b" goes on alone instead of waiting for it.
+    asyncio.run(run(2))
+    assert [(n, k) for n, k, _ in calls] == [("b", 1), ("a", 1), ("b", 2), ("a", 2), ("b", 3)]

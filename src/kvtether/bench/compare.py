@@ -36,7 +36,7 @@ from kvtether.bench.strategies import (
 )
 
 if TYPE_CHECKING:
-    from kvtether.bench.replay import ReplayResult
+    from kvtether.bench.replay import ReplayResult, TurnGate
 
 __all__ = ["StartStrategy", "build_parser", "generate_main", "main", "replay_scenario",
            "run", "run_meta", "strategy_options"]
@@ -229,14 +229,15 @@ def _cpu_count() -> int:
 async def replay_scenario(scenario: Scenario, endpoints: Endpoints, strategy: Strategy,
                           args: argparse.Namespace, run_id: str,
                           advance: Callable[[int], None],
-                          concurrency: int | None = None) -> ReplayResult:
+                          concurrency: int | None = None,
+                          gate: TurnGate | None = None) -> ReplayResult:
     """One replay of ``scenario`` with the bench's options and drain cap."""
     from kvtether.bench.replay import replay
 
     return await replay(
         scenario, endpoints, strategy, compress=args.compress, run_id=run_id,
         drain_cap_s=FIXED_TTL_S / args.compress + 15.0, timeout_s=args.turn_timeout_s,
-        advance=advance, concurrency=concurrency,
+        advance=advance, concurrency=concurrency, gate=gate,
     )
 
 

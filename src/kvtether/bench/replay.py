@@ -21,13 +21,15 @@ that KV is gone (so a fixed TTL's tail is counted).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -36,7 +38,7 @@ from kvtether.bench.metrics import TurnResult, classify
 from kvtether.bench.scenario import Scenario, ScenarioSession
 from kvtether.bench.strategies import Endpoints, Strategy
 
-__all__ = ["KVSample", "ReplayResult", "replay"]
+__all__ = ["KVSample", "ReplayResult", "TurnGate", "replay"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,20 @@ logger = logging.getLogger(__name__)
 class KVSample:
     t_s: float  # wall seconds since the replay started
     tokens: float  # KV tokens held, summed over the sampled instances
+
+
+class TurnGate(Protocol):
+    """Holds each model call until another replay lets it go (``benchmarks.lone_pairs``
+    runs two deployments' replays of one session turn by turn, one call at a time)."""
+
+    def turn(self, session: str, index: int) -> AbstractAsyncContextManager[None]:
+        """Entered before turn ``index`` (1-based) of ``session`` is sent, left after its
+        answer (or failure)."""
+        ...
+
+    def ended(self, session: str) -> None:
+        """``session`` sends no more turns (its last one ran, or one failed)."""
+        ...
 
 
 @dataclass
@@ -168,7 +184,7 @@ async def _call(client: Any, endpoints: Endpoints, strategy: Strategy, cid: str,
 async def _session(
     s: ScenarioSession, scenario: Scenario, endpoints: Endpoints, strategy: Strategy,
     compress: float, run_id: str, t0: float, results: list[TurnResult],
-    advance: Callable[[int], None], timeout_s: float,
+    advance: Callable[[int], None], timeout_s: float, gate: TurnGate | None = None,
 ) -> int:
     """One agent session, from its first turn; returns how many of its turns did not run
     after a failure."""
@@ -191,8 +207,10 @@ async def _session(
             messages.extend(m.model_dump() for m in turn.append)
             started = time.monotonic() - t0
             try:
-                out, headers = await _call(client, endpoints, strategy, cid, messages,
-                                           turn.max_tokens, s.stream)
+                async with gate.turn(s.id, index) if gate is not None else _nothing():
+                    started = time.monotonic() - t0  # once the gate let it go
+                    out, headers = await _call(client, endpoints, strategy, cid, messages,
+                                               turn.max_tokens, s.stream)
             except Exception as exc:  # a failed turn is a result, not a crash of the bench
                 results.append(TurnResult(
                     session=s.id, turn=index, stream=s.stream, started_s=round(started, 3),
@@ -231,11 +249,18 @@ async def _session(
                 await asyncio.sleep(gap)
         return 0
     finally:
+        if gate is not None:
+            gate.ended(s.id)
         if endpoints.router_url is not None:
             await _attach_timings(http, endpoints.router_url, cid, s.id, results)
         if session is not None:
             await session.aclose()
         await http.aclose()
+
+
+@contextlib.asynccontextmanager
+async def _nothing() -> AsyncIterator[None]:
+    yield
 
 
 async def _attach_timings(http: httpx.AsyncClient, router_url: str, cid: str, session_id: str,
@@ -295,12 +320,14 @@ async def replay(
     timeout_s: float = 900.0,
     advance: Callable[[int], None] = lambda n: None,
     concurrency: int | None = None,
+    gate: TurnGate | None = None,
 ) -> ReplayResult:
     """Run every session of ``scenario`` against ``endpoints``; see the module docstring.
 
     ``concurrency``: None starts each session at its arrival time; N runs the sessions in
     scenario order, at most N at once. ``run_id`` goes into every conversation id, so two
-    replays with different ids never share a conversation's KV.
+    replays with different ids never share a conversation's KV. ``gate``: see
+    :class:`TurnGate`.
     """
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, not {concurrency}")
@@ -316,7 +343,7 @@ async def replay(
 
         def run_session(s: ScenarioSession) -> Awaitable[int]:
             return _session(s, scenario, endpoints, strategy, compress, run_id, t0, out.turns,
-                            advance, timeout_s)
+                            advance, timeout_s, gate)
 
         try:
             if concurrency is None:
