@@ -1,0 +1,165 @@
+"""One turn's TTFT three ways, seconds apart: colocated vLLM, kvtether's decode engine asked
+directly, and kvtether through its router.
+
+`benchmarks.lone_pairs` compares whole turns, colocated against kvtether. This splits
+kvtether's side in two. Each round is one conversation per way, under a system prompt of its
+own (so that no way reads another's prefix cache): a first turn of ``--prefix-words`` words,
+then ``--additions`` turns that each add a user message of ``--new-words`` words (and the
+previous answer), streamed, as an agent's turns do. Every addition is sent on the three ways
+one after another, the order rotating, and each TTFT is taken to the first content chunk, as
+the bench does.
+
+- ``colocated``: the colocated vLLM (prefix cache on), the bench's baseline;
+- ``decode``: a plain chat request straight to kvtether's decode vLLM, no router, no
+  ``kv_transfer_params``: the same engine computes the turn on its own prefix cache, so what
+  differs from colocated is only how the engine is configured (kvtether's connector, scheduler
+  and worker classes, NIXL's memory registration and threads);
+- ``kvtether``: through the router with a conversation id: the real path (tokenize, plan,
+  decode's leased KV, the relay).
+
+    python -m benchmarks.engine_pairs --rounds 8 --json /tmp/engine.json
+
+Not part of ``make test``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvtether import protocol as p
+from kvtether.bench.strategies import STRATEGIES, StrategyOptions, start_strategy
+
+WAYS = ("colocated", "decode", "kvtether")
+_WORDS = ("river stone garden window engine paper orange silver market winter planet "
+          "signal copper forest bridge candle harbor lantern meadow pocket thunder velvet "
+          "anchor basket cobalt desert ember falcon glacier hollow island jasper").split()
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+
+def chat(client: httpx.Client, url: str, model: str, messages: list[dict[str, str]],
+         max_tokens: int, headers: dict[str, str]) -> tuple[float, str, int]:
+    """(TTFT to the first content chunk, the answer, prompt tokens) of one streamed turn."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    start = time.perf_counter()
+    first: float | None = None
+    parts: list[str] = []
+    prompt_tokens = 0
+    with client.stream("POST", f"{url}/chat/completions", json=body, headers=headers) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                content = (choice.get("delta") or {}).get("content")
+                if first is None and (content or choice.get("token_ids")):
+                    first = time.perf_counter() - start
+                parts.append(content or "")
+            if chunk.get("usage"):
+                prompt_tokens = chunk["usage"]["prompt_tokens"]
+    assert first is not None, "no token streamed"
+    return first, "".join(parts), prompt_tokens
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    """Per addition size, the medians of each way's TTFT and of the two differences."""
+    out = [f"{'new words':>9} {'colocated':>9} {'decode':>8} {'kvtether':>8} "
+           f"{'decode-col':>10} {'kvt-decode':>10} {'kvt-col':>8}  (medians, s)"]
+    for n in sorted({r["new_words"] for r in rows}) + [None]:
+        rs = [r for r in rows if n is None or r["new_words"] == n]
+        med = {k: statistics.median(r[k] for r in rs)
+               for k in ("colocated", "decode", "kvtether", "decode_minus_colocated",
+                         "kvtether_minus_decode", "kvtether_minus_colocated")}
+        out.append(f"{'all' if n is None else n:>9} {med['colocated']:>9.3f} "
+                   f"{med['decode']:>8.3f} {med['kvtether']:>8.3f} "
+                   f"{med['decode_minus_colocated']:>+10.3f} {med['kvtether_minus_decode']:>+10.3f}"
+                   f" {med['kvtether_minus_colocated']:>+8.3f}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", default="cpu-bench")
+    parser.add_argument("--port", type=int, default=8800,
+                        help="kvtether's router; colocated listens at port + 150")
+    parser.add_argument("--state-dir", type=Path, default=Path(".kvtether/engine-pairs"))
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--prefix-words", type=int, default=500)
+    parser.add_argument("--new-words", type=int, nargs="+", default=[200, 80, 240, 50])
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be 1 or more, got {args.rounds}")
+
+    def options(port: int) -> StrategyOptions:
+        return StrategyOptions(profile=args.profile, compress=1.0, port=port,
+                               state_dir=args.state_dir)
+
+    rng = random.Random(7)
+    run_id = uuid.uuid4().hex[:8]
+    rows: list[dict[str, Any]] = []
+    sessions: list[Any] = []
+    with start_strategy(STRATEGIES["colocated"], options(args.port + 50)) as colocated, \
+            start_strategy(STRATEGIES["kvtether"], options(args.port)) as kvtether, \
+            httpx.Client(timeout=600) as client:
+        urls = {"colocated": colocated.openai_base_url, "decode": f"{kvtether.kv_urls[0]}/v1",
+                "kvtether": kvtether.openai_base_url}
+        model = kvtether.served_model_name
+        for rnd in range(args.rounds):
+            first_user = words(rng, args.prefix_words)
+            additions = [words(rng, n) for n in args.new_words]
+            history = {w: [{"role": "system", "content": f"Round {rnd:04d}, way {w[0]}: "
+                                                         "answer briefly."},
+                           {"role": "user", "content": first_user}] for w in WAYS}
+            headers = {w: {} for w in WAYS}
+            headers["kvtether"] = {p.HEADER_CONVERSATION_ID: f"engine-pairs-{run_id}-{rnd}"}
+            for w in WAYS:
+                _, answer, _ = chat(client, urls[w], model, history[w], args.max_tokens,
+                                    headers[w])
+                history[w].append({"role": "assistant", "content": answer})
+            for i, (n, text) in enumerate(zip(args.new_words, additions, strict=True)):
+                k = (rnd * len(args.new_words) + i) % len(WAYS)
+                got = {}
+                for w in WAYS[k:] + WAYS[:k]:
+                    history[w].append({"role": "user", "content": text})
+                    ttft, answer, _ = chat(client, urls[w], model, history[w],
+                                           args.max_tokens, headers[w])
+                    history[w].append({"role": "assistant", "content": answer})
+                    got[w] = ttft
+                row = {"round": rnd, "addition": i + 1, "new_words": n,
+                       **{w: round(got[w], 4) for w in WAYS},
+                       "decode_minus_colocated": round(got["decode"] - got["colocated"], 4),
+                       "kvtether_minus_decode": round(got["kvtether"] - got["decode"], 4),
+                       "kvtether_minus_colocated": round(got["kvtether"] - got["colocated"], 4)}
+                rows.append(row)
+                print(f"round {rnd} +{n:>4} words: " + ", ".join(
+                    f"{w} {got[w]:.3f}" for w in WAYS), flush=True)
+            # What the router recorded: each turn's outcome and stage timings.
+            cid = headers["kvtether"][p.HEADER_CONVERSATION_ID]
+            sessions.append(client.get(f"{kvtether.router_url}/v1/sessions/{cid}").json())
+    lines = table(rows)
+    print("\n".join(lines))
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                         "rows": rows, "table": lines, "sessions": sessions},
+                                        indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
