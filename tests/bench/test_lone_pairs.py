@@ -97,3 +97,35 @@ def test_lockstep_runs_each_turn_on_every_deployment_before_the_next_one_at_a_ti
     # "a" fails its second turn: "b" goes on alone instead of waiting for it.
     asyncio.run(run(2))
     assert [(n, k) for n, k, _ in calls] == [("b", 1), ("a", 1), ("b", 2), ("a", 2), ("b", 3)]
+
+
+async def test_two_replays_of_a_session_in_lockstep_alternate_turn_by_turn() -> None:
+    import asyncio
+
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    from kvtether.bench.replay import replay
+    from kvtether.bench.strategies import STRATEGIES
+    from tests.bench.test_sweep import COMPRESS, endpoints, serving, small_scenario
+    from tests.support.fake_vllm import Cluster, FakeVLLM
+
+    arrivals: list[tuple[str, int]] = []
+
+    class Recording(FakeVLLM):
+        async def completions(self, request: Request) -> Response:
+            messages = (await request.json())["messages"]
+            arrivals.append((self.name, sum(m["role"] == "assistant" for m in messages) + 1))
+            return await super().completions(request)
+
+    one = small_scenario(1)
+    lockstep = lone_pairs.Lockstep(["b", "a"])
+    with serving(lambda port: Recording(Cluster(), "a", "127.0.0.1", port, delay_s=0.02)) as a, \
+            serving(lambda port: Recording(Cluster(), "b", "127.0.0.1", port)) as b:
+        done = await asyncio.wait_for(asyncio.gather(*(
+            replay(one, endpoints(fake), STRATEGIES["colocated"], compress=COMPRESS,
+                   run_id="t", sample_every_s=0.05, drain_cap_s=0, gate=lockstep.of(name))
+            for name, fake in (("a", a), ("b", b)))), 60)
+    turns = len(one.sessions[0].turns)
+    assert arrivals == [(name, k) for k in range(1, turns + 1) for name in ("b", "a")]
+    assert all(t.error is None for result in done for t in result.turns)

@@ -21,13 +21,12 @@ that KV is gone (so a fixed TTL's tail is counted).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -207,7 +206,7 @@ async def _session(
             messages.extend(m.model_dump() for m in turn.append)
             started = time.monotonic() - t0
             try:
-                async with gate.turn(s.id, index) if gate is not None else _nothing():
+                async with gate.turn(s.id, index) if gate is not None else nullcontext():
                     started = time.monotonic() - t0  # once the gate let it go
                     out, headers = await _call(client, endpoints, strategy, cid, messages,
                                                turn.max_tokens, s.stream)
@@ -256,11 +255,6 @@ async def _session(
         if session is not None:
             await session.aclose()
         await http.aclose()
-
-
-@contextlib.asynccontextmanager
-async def _nothing() -> AsyncIterator[None]:
-    yield
 
 
 async def _attach_timings(http: httpx.AsyncClient, router_url: str, cid: str, session_id: str,
