@@ -4,8 +4,8 @@ directly, and kvtether through its router.
 `benchmarks.lone_pairs` compares whole turns, colocated against kvtether. This splits
 kvtether's side in two. Each round is one conversation per way, under a system prompt of its
 own (so that no way reads another's prefix cache): a first turn of ``--prefix-words`` words,
-then ``--additions`` turns that each add a user message of ``--new-words`` words (and the
-previous answer), streamed, as an agent's turns do. Every addition is sent on the three ways
+then one turn per ``--new-words`` value, each adding a user message of that many words (and
+the previous answer), streamed, as an agent's turns do. Every addition is sent on the three ways
 one after another, the order rotating, and each TTFT is taken to the first content chunk, as
 the bench does.
 
@@ -40,6 +40,8 @@ from kvtether import protocol as p
 from kvtether.bench.strategies import STRATEGIES, StrategyOptions, start_strategy
 
 WAYS = ("colocated", "decode", "kvtether")
+# The differences each addition records, (a, b) as "a_minus_b".
+DIFFS = (("decode", "colocated"), ("kvtether", "decode"), ("kvtether", "colocated"))
 _WORDS = ("river stone garden window engine paper orange silver market winter planet "
           "signal copper forest bridge candle harbor lantern meadow pocket thunder velvet "
           "anchor basket cobalt desert ember falcon glacier hollow island jasper").split()
@@ -50,14 +52,13 @@ def words(rng: random.Random, n: int) -> str:
 
 
 def chat(client: httpx.Client, url: str, model: str, messages: list[dict[str, str]],
-         max_tokens: int, headers: dict[str, str]) -> tuple[float, str, int]:
-    """(TTFT to the first content chunk, the answer, prompt tokens) of one streamed turn."""
+         max_tokens: int, headers: dict[str, str]) -> tuple[float, str]:
+    """(TTFT to the first content chunk, the answer) of one streamed turn."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+            "stream": True, "return_token_ids": True}
     start = time.perf_counter()
     first: float | None = None
     parts: list[str] = []
-    prompt_tokens = 0
     with client.stream("POST", f"{url}/chat/completions", json=body, headers=headers) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -69,25 +70,22 @@ def chat(client: httpx.Client, url: str, model: str, messages: list[dict[str, st
                 if first is None and (content or choice.get("token_ids")):
                     first = time.perf_counter() - start
                 parts.append(content or "")
-            if chunk.get("usage"):
-                prompt_tokens = chunk["usage"]["prompt_tokens"]
     assert first is not None, "no token streamed"
-    return first, "".join(parts), prompt_tokens
+    return first, "".join(parts)
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
-    """Per addition size, the medians of each way's TTFT and of the two differences."""
+    """Per addition size, then over all, the medians of each way's TTFT and of each of
+    :data:`DIFFS`."""
     out = [f"{'new words':>9} {'colocated':>9} {'decode':>8} {'kvtether':>8} "
            f"{'decode-col':>10} {'kvt-decode':>10} {'kvt-col':>8}  (medians, s)"]
+    widths = [9, 8, 8] + [10, 10, 8]
+    keys = list(WAYS) + [f"{a}_minus_{b}" for a, b in DIFFS]
     for n in sorted({r["new_words"] for r in rows}) + [None]:
         rs = [r for r in rows if n is None or r["new_words"] == n]
-        med = {k: statistics.median(r[k] for r in rs)
-               for k in ("colocated", "decode", "kvtether", "decode_minus_colocated",
-                         "kvtether_minus_decode", "kvtether_minus_colocated")}
-        out.append(f"{'all' if n is None else n:>9} {med['colocated']:>9.3f} "
-                   f"{med['decode']:>8.3f} {med['kvtether']:>8.3f} "
-                   f"{med['decode_minus_colocated']:>+10.3f} {med['kvtether_minus_decode']:>+10.3f}"
-                   f" {med['kvtether_minus_colocated']:>+8.3f}")
+        cells = [f"{statistics.median(r[k] for r in rs):>{'+' if '_minus_' in k else ''}{w}.3f}"
+                 for k, w in zip(keys, widths, strict=True)]
+        out.append(f"{'all' if n is None else n:>9} " + " ".join(cells))
     return out
 
 
@@ -129,23 +127,21 @@ def main(argv: list[str] | None = None) -> int:
             headers = {w: {} for w in WAYS}
             headers["kvtether"] = {p.HEADER_CONVERSATION_ID: f"engine-pairs-{run_id}-{rnd}"}
             for w in WAYS:
-                _, answer, _ = chat(client, urls[w], model, history[w], args.max_tokens,
-                                    headers[w])
+                _, answer = chat(client, urls[w], model, history[w], args.max_tokens,
+                                 headers[w])
                 history[w].append({"role": "assistant", "content": answer})
             for i, (n, text) in enumerate(zip(args.new_words, additions, strict=True)):
                 k = (rnd * len(args.new_words) + i) % len(WAYS)
                 got = {}
                 for w in WAYS[k:] + WAYS[:k]:
                     history[w].append({"role": "user", "content": text})
-                    ttft, answer, _ = chat(client, urls[w], model, history[w],
-                                           args.max_tokens, headers[w])
+                    ttft, answer = chat(client, urls[w], model, history[w], args.max_tokens,
+                                        headers[w])
                     history[w].append({"role": "assistant", "content": answer})
                     got[w] = ttft
                 row = {"round": rnd, "addition": i + 1, "new_words": n,
                        **{w: round(got[w], 4) for w in WAYS},
-                       "decode_minus_colocated": round(got["decode"] - got["colocated"], 4),
-                       "kvtether_minus_decode": round(got["kvtether"] - got["decode"], 4),
-                       "kvtether_minus_colocated": round(got["kvtether"] - got["colocated"], 4)}
+                       **{f"{a}_minus_{b}": round(got[a] - got[b], 4) for a, b in DIFFS}}
                 rows.append(row)
                 print(f"round {rnd} +{n:>4} words: " + ", ".join(
                     f"{w} {got[w]:.3f}" for w in WAYS), flush=True)

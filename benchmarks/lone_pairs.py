@@ -31,14 +31,14 @@ import json
 import statistics
 import sys
 import uuid
-from pathlib import Path
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from kvtether.bench.compare import replay_scenario
 from kvtether.bench.metrics import TurnResult, mark_divergence
-from kvtether.bench.replay import ReplayResult
+from kvtether.bench.replay import ReplayResult, TurnGate
 from kvtether.bench.scenario import Scenario, load_scenario
 from kvtether.bench.strategies import STRATEGIES, StrategyOptions, start_strategy
 
@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({
             "scenario": str(args.scenario), "profile": args.profile, "margin_s": margin_s,
-            "repeat": args.repeat, "interleave": args.interleave, "summary": said, "pairs": rows, "pairs_per_repeat": flat,
+            "repeat": args.repeat, "interleave": args.interleave, "summary": said, "pairs": rows,
+            "pairs_per_repeat": flat,
             "turns": [{name: [t.as_dict() for t in ts] for name, ts in by_name.items()}
                       for by_name in repeats],
         }, indent=1))
@@ -218,9 +219,9 @@ async def both(one: Scenario, order: list[str], endpoints: dict[str, Any],
     """``one`` (a single session) on each deployment in ``order``: with ``--interleave turn``
     both replays at once, in :class:`Lockstep`; with ``session`` one after the other."""
 
-    def replay(name: str, gate: Any = None) -> Any:
-        return replay_scenario(one, endpoints[name], STRATEGIES[name], args, run_id,
-                               lambda n: None, concurrency=1, gate=gate)
+    async def replay(name: str, gate: TurnGate | None = None) -> ReplayResult:
+        return await replay_scenario(one, endpoints[name], STRATEGIES[name], args, run_id,
+                                     lambda n: None, concurrency=1, gate=gate)
 
     if args.interleave == "session":
         return {name: await replay(name) for name in order}
