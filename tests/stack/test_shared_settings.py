@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,14 @@ def test_router_gets_exactly_the_forwarded_settings_and_the_plan() -> None:
     values = router_values(_plan(), StackSettings(max_retained_tokens=100))
     assert set(values) == FROM_PLAN | set(FORWARDED.values())
     assert set(values) <= set(RouterSettings.model_fields)
+
+
+def test_the_router_gets_the_model_directory_to_tokenize_with() -> None:
+    plan = replace(_plan(), model_dir=Path("/models/smol"))
+    assert router_values(plan, StackSettings())["tokenizer"] == Path("/models/smol")
+    argv = VllmCommands("py").command(plan, StackSettings()).argv
+    parsed = CliApp.run(RouterCommand, cli_args=argv[4:], cli_cmd_method_name="no_such_method")
+    assert parsed.tokenizer == Path("/models/smol")
 
 
 @pytest.mark.parametrize(("stack_name", "router_name"), sorted(FORWARDED.items()))
@@ -124,3 +133,14 @@ def test_each_model_keeps_its_env_prefix_for_the_shared_settings(
     monkeypatch.setenv("KVTETHER_ROUTER_LEASE_TTL_S", "22")
     assert StackSettings().lease_ttl_s == 11
     assert RouterSettings().lease_ttl_s == 22
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_router_tokenizer_decides_whether_the_router_gets_the_model(own: bool,
+                                                                   tmp_path: Path) -> None:
+    from kvtether.stack._plan import plan_processes
+
+    settings = StackSettings(router_tokenizer=own, state_dir=tmp_path)
+    router = next(p for p in plan_processes(settings, tmp_path / "model", "m", None)
+                  if p.role == "router")
+    assert ("tokenizer" in router_values(router, settings)) is own

@@ -11,14 +11,20 @@ import pytest
 from kvtether.stack._warmup import warm_up
 
 
-def _router(outcomes: list[str], seen: list[tuple[str, str, dict]]) -> httpx.MockTransport:
+def _router(outcomes: list[str], seen: list[tuple[str, str, dict]],
+            tokenizer: tuple[str, ...] = ("router",)) -> httpx.MockTransport:
     """Turn i has a 10*i-token prompt; "fired" reads 100 tokens, "fired:local" only 5 (what
-    prefill's own prefix cache held: it proves no read of decode's KV)."""
+    prefill's own prefix cache held: it proves no read of decode's KV). ``/health`` says
+    ``tokenizer`` in turn, then its last state."""
     script = iter(outcomes)
+    states = list(tokenizer)
 
     def handle(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content) if request.content else {}
         seen.append((request.method, request.url.path, body))
+        if request.method == "GET":
+            return httpx.Response(200, json={"status": "ok", "tokenizer": (
+                states.pop(0) if len(states) > 1 else states[0])})
         if request.method == "DELETE":
             return httpx.Response(200, json={})
         outcome = next(script)
@@ -44,6 +50,14 @@ def test_stops_at_the_first_fired_turn_and_releases_the_session() -> None:
     posts = [b for m, _, b in seen if m == "POST"]
     assert [len(b["messages"]) for b in posts] == [1, 3, 5]  # each turn extends the last one
     assert seen[-1][0] == "DELETE" and seen[-1][1].startswith("/v1/sessions/kvtether-warmup-")
+
+
+def test_waits_for_the_routers_own_tokenizer_before_its_turns() -> None:
+    seen: list[tuple[str, str, dict]] = []
+    report = warm_up("http://router", "tiny", transport=_router(
+        ["miss:first_turn", "fired"], seen, tokenizer=("loading", "loading", "router")))
+    assert report.fired and report.tokenizer == "router"
+    assert [m for m, _, _ in seen][:4] == ["GET", "GET", "GET", "POST"]
 
 
 def test_a_turn_served_from_prefill_cache_alone_does_not_count() -> None:
@@ -80,7 +94,7 @@ def test_sends_the_stacks_api_key_on_every_call() -> None:
         return inner.handle_request(request)
 
     report = warm_up("http://router", "tiny", api_key="k1", transport=httpx.MockTransport(handle))
-    assert report.fired and auth == ["Bearer k1"] * 3  # two turns and the release
+    assert report.fired and auth == ["Bearer k1"] * 4  # /health, two turns and the release
 
 
 def test_stack_warm_up_uses_the_first_key_of_the_key_file(tmp_path) -> None:  # noqa: ANN001

@@ -8,6 +8,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -41,6 +42,7 @@ from kvtether.router.conversations import (
 from kvtether.router.leases import LeaseClient
 from kvtether.router.identity import identify
 from kvtether.router.metrics import RouterMetrics
+from kvtether.router.prompts import PromptTokenizer
 from kvtether.router.retention import Retention
 from kvtether.router.sessions import SessionAPI
 from kvtether.router.settings import RouterSettings
@@ -138,6 +140,7 @@ def create_app(
         },
     )
     app.state.runner = TurnRunner(deps, retention)
+    app.state.tokenizer_load = None  # the task loading RouterSettings.tokenizer
     app.state.retention = retention
     app.state.sessions = sessions
     app.state.clock = clock
@@ -196,9 +199,19 @@ async def _health(request: Request) -> Response:
         {"status": "ok" if ok else "degraded", "backends": status,
          "conversations": store.count(),
          "store": {"kind": store.kind, "ok": store_ok},
+         "tokenizer": _tokenizer_state(state),
          "protocol_version": p.PROTOCOL_VERSION},
         status_code=200 if ok else 503,
     )
+
+
+def _tokenizer_state(state: Any) -> str:
+    """Who tokenizes prompts before a turn: "router" (its own tokenizer), "loading" (prefill
+    until the router's has loaded) or "prefill"."""
+    if state.tokenizer_load is not None and not state.tokenizer_load.done():
+        return "loading"
+    prompts = state.runner.prompts
+    return "router" if prompts is not None and prompts.enabled else "prefill"
 
 
 async def _metrics(request: Request) -> Response:
@@ -259,15 +272,28 @@ async def _check_stalls(deps: RouterDeps) -> None:
 @contextlib.asynccontextmanager
 async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     state = app.state
-    task = asyncio.create_task(_housekeeping(state.retention, state.pool))
+    tasks = [asyncio.create_task(_housekeeping(state.retention, state.pool))]
+    path = state.runner.s.tokenizer
+    if path is not None:
+        state.tokenizer_load = asyncio.create_task(_load_tokenizer(state.runner, path))
+        tasks.append(state.tokenizer_load)
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if state.runner.prompts is not None:
+            state.runner.prompts.close()
         await state.pool.aclose()
         await state.store.aclose()
+
+
+async def _load_tokenizer(runner: TurnRunner, path: Path) -> None:
+    """The router's own tokenizer, loaded in a thread while the router already serves (turns
+    ask prefill's /tokenize until it is there)."""
+    runner.prompts = await asyncio.to_thread(PromptTokenizer.load, path)
 
 
 def _make_store(settings: RouterSettings, on_drop, clock: Clock,  # noqa: ANN001

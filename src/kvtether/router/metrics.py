@@ -80,6 +80,16 @@ class RouterMetrics:
             "kvtether_first_token_mismatch", "Streams ended because decode's first token "
             "differed from prefill's, already sent (greedy turns only)", registry=r,
         )
+        self.tokenizations = Counter(
+            "kvtether_prompt_tokenizations", "Prompts the router tokenized before a turn, by "
+            "who: 'router' (in its own process, the tokenizer setting) or 'prefill' (its "
+            "/tokenize)", ["by"], registry=r,
+        )
+        self.tokenizer_mismatches = Counter(
+            "kvtether_router_tokenizer_mismatches", "Prompts the router tokenized otherwise "
+            "than vLLM reported (the first one switches the router's tokenizer off)",
+            registry=r,
+        )
         self.ttft_s = Histogram(
             "kvtether_ttft_seconds", "Time to first token (streamed turns)",
             buckets=_LATENCY_BUCKETS_S, registry=r,

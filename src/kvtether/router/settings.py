@@ -177,6 +177,14 @@ class RouterSettings(RetentionSettings, AccessSettings, BaseSettings):
         "decode's first step (decode's identical token is dropped from its stream; a "
         "different one ends the stream with an error); false: every token from decode",
     )
+    tokenizer: Path | None = Field(
+        default=None,
+        description="directory of the served model's tokenizer (the model directory): the "
+        "router renders and tokenizes the chat and completions prompts it can mirror itself, "
+        "checked against the token ids vLLM reports (a difference switches it off), instead "
+        "of asking prefill's /tokenize before each turn; `stack up` passes its model "
+        "directory. Needs transformers; unset or unloadable: prefill's /tokenize",
+    )
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     upstream_connect_timeout_s: float = Field(default=30.0, gt=0)
     max_conversations: int = Field(default=100_000, ge=1)

@@ -25,6 +25,7 @@ from kvtether.router._errors import RouterHTTPError
 from kvtether.router.apis import Api, api_for
 from kvtether.router.backends import Backend, BackendStalled
 from kvtether.router.branches import hold_branch
+from kvtether.router.prompts import PromptTokenizer
 from kvtether.router.conversations import (
     Conversation,
     ConversationBusyError,
@@ -67,6 +68,7 @@ class TurnRequest:
     parent_id: str | None = None  # the conversation this one was spawned from (router.identity)
     prompt_ids: list[int] | None = None  # tokenized already (while choosing a branch)
     tokenize_s: float | None = None  # how long that took
+    router_prompt_ids: list[int] | None = None  # tokenized by the router itself (checked)
 
     @property
     def stream(self) -> bool:
@@ -87,6 +89,8 @@ class TurnRunner:
         self.s = deps.settings
         self.pool = deps.pool
         self.retention = retention
+        # The router's own tokenizer (RouterSettings.tokenizer), once loaded.
+        self.prompts: PromptTokenizer | None = None
 
     # ---------------------------------------------------------------- entry point
     async def run(self, req: TurnRequest) -> Response:
@@ -147,13 +151,28 @@ class TurnRunner:
         return choice.held
 
     async def _tokenize(self, req: TurnRequest, prefill: Backend) -> list[int] | None:
-        """The prompt's token ids from ``prefill`` (:func:`legs.tokenize`), the call timed in
+        """The prompt's token ids: from the router's own tokenizer where it mirrors the
+        request (:mod:`.prompts`), else from ``prefill`` (:func:`legs.tokenize`); timed in
         ``req.tokenize_s``."""
         t0 = self.deps.clock.now_unix_s()
         try:
+            if self.prompts is not None:
+                ids = await self.prompts.atoken_ids(req.endpoint, req.body)
+                if ids is not None:
+                    req.router_prompt_ids = ids
+                    self.deps.metrics.tokenizations.labels("router").inc()
+                    return ids
+            self.deps.metrics.tokenizations.labels("prefill").inc()
             return await legs.tokenize(prefill, req.endpoint, req.body)
         finally:
             req.tokenize_s = self.deps.clock.now_unix_s() - t0
+
+    def _check_tokenized(self, req: TurnRequest, reported: list[int]) -> None:
+        """The router's token ids for the prompt against those vLLM reported for it."""
+        if req.router_prompt_ids is None or not reported or self.prompts is None:
+            return
+        if not self.prompts.check(req.router_prompt_ids, reported):
+            self.deps.metrics.tokenizer_mismatches.inc()
 
     async def _commit(self, held: HeldConversation) -> None:
         """Save the conversation and let it go; free its KV if a release came meanwhile."""
@@ -364,6 +383,7 @@ class TurnRunner:
             if local and cached is not None and plan.prompt_token_ids is not None:
                 self._check_local_hit(ctx.record, plan, cached, previous)
             await self._settle(ctx, handle, req.hints)
+            self._check_tokenized(req, ctx.prompt_ids)
             release_old()
             if held is not None:
                 # Saved before the client sees the end of the answer: its next turn may go

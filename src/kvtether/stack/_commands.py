@@ -249,6 +249,8 @@ def router_values(plan: InstancePlan, settings: StackSettings) -> dict[str, Any]
         "decode_control_urls": list(plan.decode_control_urls),
         "kv_block_size_tokens": settings.block_size_tokens,
     }
+    if plan.model_dir is not None:  # the router tokenizes prompts itself (router_tokenizer)
+        values["tokenizer"] = plan.model_dir
     values.update({name: getattr(settings, name) for name in RetentionSettings.model_fields})
     values.update({name: getattr(settings, name) for name in AccessSettings.model_fields
                    if name not in _SECRETS})

@@ -83,6 +83,7 @@ def plan_processes(
                 host=s.host,
                 port=port,
                 log_path=logs / f"{name}.log",
+                model_dir=model_dir if s.router_tokenizer else None,
                 prefill_urls=tuple(p.url for p in plans if p.role == "prefill"),
                 decode_urls=tuple(p.url for p in plans if p.role == "decode"),
                 prefill_control_urls=tuple(controls["prefill"]),

@@ -6,7 +6,9 @@ handshake reply (hard-coded); a busy CPU instance can miss that, and the turn th
 (``miss:transfer_failed``). So ``stack up`` runs short throw-away conversations through the
 router until a turn reports ``fired`` with more reused tokens than the previous turn's whole
 prompt (only a read of decode's KV gives that: prefill's own cache holds at most that prompt),
-which proves both directions work, before it says the stack is ready. With reuse policy
+which proves both directions work, before it says the stack is ready. It first waits for the
+router to load its own tokenizer (``RouterSettings.tokenizer``), so that these turns check it
+against vLLM's token ids too. With reuse policy
 ``off`` one turn (prefill → decode) is all there is to open. Best effort: a failure is logged,
 never fatal.
 """
@@ -34,6 +36,7 @@ class WarmUpReport:
     seconds: float = 0.0
 
     pulled: bool = False  # a turn read decode-held KV
+    tokenizer: str | None = None  # who tokenizes prompts: the router's /health "tokenizer"
 
     @property
     def fired(self) -> bool:
@@ -59,6 +62,7 @@ def warm_up(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(base_url=router_url, timeout=timeout_s, trust_env=False,
                       transport=transport, headers=headers) as client:
+        report.tokenizer = _tokenizer_loaded(client, t0 + timeout_s)
         for _ in range(conversations):
             report.conversations += 1
             cid = f"kvtether-warmup-{uuid.uuid4().hex[:8]}"
@@ -73,6 +77,20 @@ def warm_up(
                     pass
     report.seconds = time.monotonic() - t0
     return report
+
+
+def _tokenizer_loaded(client: httpx.Client, deadline: float) -> str | None:
+    """Wait while the router loads its own tokenizer (``/health``'s "tokenizer" is
+    "loading"), so that the warm-up's turns, and the first user turns, use it; what it says
+    then."""
+    while True:
+        try:
+            state = client.get("/health").json().get("tokenizer")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        if state != "loading" or time.monotonic() > deadline:
+            return state
+        time.sleep(0.2)
 
 
 def _converse(client: httpx.Client, model: str, cid: str, max_turns: int, max_tokens: int,

@@ -220,6 +220,11 @@ class StackSettings(RetentionSettings, AccessSettings, StackSettingsBase):
     )
     detach: bool = Field(default=False, description="return once healthy, leave the stack running")
     start_router: bool = Field(default=True, description="also start the kvtether router")
+    router_tokenizer: bool = Field(
+        default=True,
+        description="the router tokenizes prompts itself with the model directory's tokenizer "
+        "(checked against vLLM's token ids) instead of asking prefill's /tokenize per turn",
+    )
     warm_up: bool = Field(
         default=True,
         description="once healthy, run throw-away turns until one reuses KV (opens NIXL links)",

@@ -1,0 +1,325 @@
+"""The router renders and tokenizes a turn's prompt itself, as vLLM does, where it can.
+
+Before a turn the router needs the prompt's token ids: to check that it extends what decode
+holds for the conversation, and to choose whether decode computes the new tokens itself.
+Asking prefill's ``/tokenize`` costs a round trip through vLLM's API server: 6 ms median per
+turn in the router's turn records on ``cpu-bench`` with one conversation, 12 ms at 16, all of
+it before the turn's first leg is sent. The same rendering and tokenizing in the router's own
+process takes ~2 ms for a 2,000-token chat.
+
+:class:`PromptTokenizer` does it for the requests whose rendering it mirrors exactly (vLLM
+0.32's ``parse_chat_messages`` and ``safe_apply_chat_template``, then the tokenizer with the
+request's ``add_special_tokens``):
+
+* chat completions whose messages are text: roles ``system``, ``user``, ``assistant`` and
+  ``tool``; content a string, text parts (joined by newlines, vLLM's "string" content format)
+  or none; ``name``; assistant ``tool_calls`` of functions (arguments parsed from JSON, as
+  vLLM does); ``tool_call_id``; the request's ``tools`` as vLLM dumps them;
+  ``add_generation_prompt``, ``continue_final_message``, ``add_special_tokens``;
+* completions with a string prompt.
+
+Anything else (images, a ``chat_template`` or ``chat_template_kwargs`` in the request,
+``reasoning_effort``, ``developer`` messages, reasoning in the history, truncation) goes to
+prefill's ``/tokenize`` as before, and so does every request until the tokenizer has loaded
+(in a thread, after the router starts).
+
+Not trusted blindly: vLLM reports every chat and completions turn's prompt token ids, and the
+router compares them with its own (:meth:`PromptTokenizer.check`). The first difference (a
+chat template vLLM was started with, ``--chat-template``, or a rendering detail this module
+does not know) switches it off for the router's lifetime, with a warning naming the first
+token that differs, and ``kvtether_router_tokenizer_mismatches`` counts it. A wrong token list
+cannot make anyone read wrong KV: prefill's connector checks the prompt against the handle's
+block hashes, and decode's prefix cache is found by hash. It can only mislabel one turn's plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PromptTokenizer"]
+
+# Body fields that change what vLLM renders and are not mirrored here.
+_UNMIRRORED_CHAT = frozenset({
+    "chat_template", "chat_template_kwargs", "reasoning_effort", "documents",
+    "truncate_prompt_tokens", "mm_processor_kwargs", "media_io_kwargs", "prompt_embeds",
+})
+_UNMIRRORED_COMPLETION = frozenset({"truncate_prompt_tokens", "prompt_embeds", "suffix"})
+_ROLES = frozenset({"system", "user", "assistant", "tool"})
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
+# vLLM drops Claude Code's attribution line from system text (vllm.renderers.chat_utils).
+_CLAUDE_CODE_BILLING_HEADER = "x-anthropic-billing-header"
+
+
+class _NotMirrored(Exception):
+    """The request uses something this module does not render as vLLM does."""
+
+
+class PromptTokenizer:
+    """A served model's tokenizer and chat template, loaded from its directory."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        template = tokenizer.chat_template
+        self._template: str | None = template if isinstance(template, str) else None
+        self._template_vars = _template_vars(self._template) if self._template else frozenset()
+        self._base_params = _base_params(tokenizer)
+        # One thread: the event loop never waits for a long prompt's encoding, and the
+        # tokenizer is never used from two threads at once.
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvtether-tokenize")
+        self.enabled = True
+
+    @classmethod
+    def load(cls, path: Path | str) -> PromptTokenizer | None:
+        """The tokenizer in ``path`` (a model directory), or None with a warning when it cannot
+        be loaded there (``transformers`` missing, no tokenizer files): the router then asks
+        prefill, as without one."""
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            logger.warning("tokenizer %s: transformers is not installed; prompts are tokenized "
+                           "by prefill's /tokenize", path)
+            return None
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - any failure means: ask prefill instead
+            logger.warning("tokenizer %s could not be loaded (%s); prompts are tokenized by "
+                           "prefill's /tokenize", path, exc)
+            return None
+        logger.info("prompts are tokenized in the router with the tokenizer in %s", path)
+        return cls(tok)
+
+    async def atoken_ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+        """:meth:`token_ids` in the tokenizer's own thread."""
+        if not self.enabled:
+            return None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, self.token_ids, endpoint, body)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    def token_ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+        """The prompt's token ids as vLLM will compute them, or None where this module does
+        not mirror the request (or is switched off): ask prefill then."""
+        if not self.enabled:
+            return None
+        try:
+            if endpoint.endswith("/chat/completions"):
+                return self._chat(body)
+            return self._completion(body)
+        except _NotMirrored:
+            return None
+        except Exception as exc:  # noqa: BLE001 - a template error: vLLM reports its own
+            logger.debug("prompt not tokenized in the router: %r", exc)
+            return None
+
+    def check(self, mirrored: list[int], reported: list[int]) -> bool:
+        """Compare the router's token ids with those vLLM reported for the same prompt; on the
+        first difference, switch off for good. True when they are the same."""
+        if mirrored == reported:
+            return True
+        if self.enabled:
+            at = next((i for i, (a, b) in enumerate(zip(mirrored, reported, strict=False))
+                       if a != b), min(len(mirrored), len(reported)))
+            logger.warning(
+                "the router's tokenization of a prompt differs from vLLM's (%d vs %d tokens, "
+                "first difference at token %d); prompts are tokenized by prefill's /tokenize "
+                "from now on. Was vLLM started with its own --chat-template?",
+                len(mirrored), len(reported), at)
+        self.enabled = False
+        return False
+
+    # ------------------------------------------------------------------ rendering
+    def _completion(self, body: dict[str, Any]) -> list[int]:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or _UNMIRRORED_COMPLETION & body.keys():
+            raise _NotMirrored
+        return self._encode(prompt, _flag(body, "add_special_tokens", True))
+
+    def _chat(self, body: dict[str, Any]) -> list[int]:
+        if self._template is None or _UNMIRRORED_CHAT & body.keys():
+            raise _NotMirrored
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _NotMirrored
+        conversation = [_message(m) for m in messages]
+        tools = body.get("tools")
+        kwargs: dict[str, Any] = {
+            "add_generation_prompt": _flag(body, "add_generation_prompt", True),
+            "continue_final_message": _flag(body, "continue_final_message", False),
+            "documents": None,
+            "reasoning_effort": None,
+        }
+        accept = self._template_vars | self._base_params
+        kwargs = {k: v for k, v in kwargs.items() if k in accept}
+        text = self._tok.apply_chat_template(
+            conversation=conversation,
+            tools=_tool_dicts(tools) if tools is not None else None,
+            chat_template=self._template,
+            tokenize=False,
+            return_dict=False,
+            **kwargs,
+        )
+        if not isinstance(text, str):
+            raise _NotMirrored
+        return self._encode(text, _flag(body, "add_special_tokens", False))
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids = self._tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+        return list(ids)
+
+
+def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if not isinstance(value, bool):
+        raise _NotMirrored
+    return value
+
+
+def _message(msg: Any) -> dict[str, Any]:
+    """One message as vLLM's ``_parse_chat_message_content`` turns it into the template's
+    conversation ("string" content format, no multimodal parts)."""
+    if not isinstance(msg, dict) or not msg.keys() <= _MESSAGE_KEYS:
+        raise _NotMirrored
+    role = msg.get("role")
+    if role not in _ROLES:
+        raise _NotMirrored
+    out: dict[str, Any] = {"role": role, "content": _text(msg.get("content"), role)}
+    if role == "assistant":
+        calls = msg.get("tool_calls")
+        if calls is not None:
+            out["tool_calls"] = _tool_calls(calls)
+    elif "tool_calls" in msg:
+        raise _NotMirrored
+    if role == "tool" and "tool_call_id" in msg:
+        if not isinstance(msg["tool_call_id"], str):
+            raise _NotMirrored
+        out["tool_call_id"] = msg["tool_call_id"]
+    elif "tool_call_id" in msg:
+        raise _NotMirrored
+    if "name" in msg:
+        if not isinstance(msg["name"], str):
+            raise _NotMirrored
+        out["name"] = msg["name"]
+    return out
+
+
+def _text(content: Any, role: str) -> str:
+    if content is None:
+        parts: list[str] = []
+    elif isinstance(content, str):
+        parts = [content]
+    elif isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and part.keys() <= {"type", "text"} and isinstance(part.get("text"), str)):
+                raise _NotMirrored  # images, audio, files, refusals ...
+            parts.append(part["text"])
+    else:
+        raise _NotMirrored
+    if role == "system" and any(t.startswith(_CLAUDE_CODE_BILLING_HEADER) for t in parts):
+        raise _NotMirrored
+    return "\n".join(parts)
+
+
+def _tool_calls(calls: Any) -> list[dict[str, Any]] | None:
+    """Assistant tool calls as vLLM's ``_postprocess_messages`` leaves them: arguments parsed
+    from JSON into an object ({} when empty, not JSON, or not an object)."""
+    if not isinstance(calls, list):
+        raise _NotMirrored
+    out = []
+    for call in calls:
+        if not isinstance(call, dict) or not call.keys() <= {"id", "type", "function"}:
+            raise _NotMirrored
+        function = call.get("function")
+        if (call.get("type", "function") != "function" or not isinstance(function, dict)
+                or not function.keys() <= {"name", "arguments"}
+                or not isinstance(function.get("name"), str)):
+            raise _NotMirrored
+        arguments = function.get("arguments")
+        if not isinstance(arguments, (str, type(None))):
+            raise _NotMirrored
+        parsed: Any = {}
+        if arguments:
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = {}
+            if not isinstance(parsed, dict):
+                parsed = {}
+        item: dict[str, Any] = {}
+        if "id" in call:
+            item["id"] = call["id"]
+        item["function"] = {"name": function["name"], "arguments": parsed}
+        if "type" in call:
+            item["type"] = call["type"]
+        out.append(item)
+    return out
+
+
+def _tool_dicts(tools: Any) -> list[dict[str, Any]]:
+    """The request's tools as vLLM passes them to the template (``ChatCompletionToolsParam``
+    dumped: unknown fields dropped, ``strict`` and ``defer_loading`` only when set)."""
+    if not isinstance(tools, list):
+        raise _NotMirrored
+    out = []
+    for tool in tools:
+        if (not isinstance(tool, dict) or tool.get("type", "function") != "function"
+                or not tool.keys() <= {"type", "function"}):
+            raise _NotMirrored
+        function = tool.get("function")
+        if (not isinstance(function, dict) or not isinstance(function.get("name"), str)
+                or not function.keys() <= {"name", "description", "parameters", "strict"}):
+            raise _NotMirrored
+        description, parameters = function.get("description"), function.get("parameters")
+        if not isinstance(description, (str, type(None))) or not isinstance(
+                parameters, (dict, type(None))):
+            raise _NotMirrored
+        dumped: dict[str, Any] = {"name": function["name"], "description": description,
+                                  "parameters": parameters}
+        if function.get("strict") is not None:
+            if not isinstance(function["strict"], bool):
+                raise _NotMirrored
+            dumped["strict"] = function["strict"]
+        out.append({"type": "function", "function": dumped})
+    return out
+
+
+def _template_vars(template: str) -> frozenset[str]:
+    """The variables a chat template reads (vLLM passes only those, and apply_chat_template's
+    own parameters, of its template kwargs)."""
+    import jinja2
+    import jinja2.meta
+    import jinja2.sandbox
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+
+    class _Generation(Extension):  # transformers' {% generation %} tag, parsed only
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_g"), [], [], body).set_lineno(lineno)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
+    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
+
+
+def _base_params(tokenizer: Any) -> frozenset[str]:
+    """``apply_chat_template``'s own named parameters."""
+    params: Iterable[inspect.Parameter] = inspect.signature(
+        tokenizer.apply_chat_template).parameters.values()
+    return frozenset(p.name for p in params
+                     if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
