@@ -188,3 +188,14 @@ async def test_without_the_setting_prefill_tokenizes() -> None:
         await agent.say("tool output " * 15)
         assert h.p.tokenize_calls == 1
         assert h.app.state.runner.prompts is None
+
+
+def test_a_chat_template_that_does_not_parse_loads_nothing(tiny_dir: Path, tmp_path: Path,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    import shutil
+
+    broken = tmp_path / "model"
+    shutil.copytree(tiny_dir, broken)
+    (broken / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
+    assert PromptTokenizer.load(broken) is None
+    assert "could not be loaded" in caplog.text

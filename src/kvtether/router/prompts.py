@@ -94,13 +94,13 @@ class PromptTokenizer:
         generic = _tokenizer_class(Path(path)) in _GENERIC_CLASSES
         loader = transformers.PreTrainedTokenizerFast if generic else transformers.AutoTokenizer
         try:
-            tok = loader.from_pretrained(str(path), local_files_only=True)
+            loaded = cls(loader.from_pretrained(str(path), local_files_only=True))
         except Exception as exc:  # noqa: BLE001 - any failure means: ask prefill instead
             logger.warning("tokenizer %s could not be loaded (%s); prompts are tokenized by "
                            "prefill's /tokenize", path, exc)
             return None
         logger.info("prompts are tokenized in the router with the tokenizer in %s", path)
-        return cls(tok)
+        return loaded
 
     async def atoken_ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
         """:meth:`token_ids` in the tokenizer's own thread."""
