@@ -70,8 +70,11 @@ class PromptTokenizer:
         self._tok = tokenizer
         template = tokenizer.chat_template
         self._template: str | None = template if isinstance(template, str) else None
-        self._template_vars = _template_vars(self._template) if self._template else frozenset()
-        self._base_params = _base_params(tokenizer)
+        # vLLM passes its template kwargs that the template reads or apply_chat_template takes;
+        # of those it always sets, these two are None unless the request says otherwise.
+        accept = ((_template_vars(self._template) if self._template else frozenset())
+                  | _base_params(tokenizer))
+        self._unset_kwargs = {k: None for k in ("documents", "reasoning_effort") if k in accept}
         # One thread: the event loop never waits for a long prompt's encoding, and the
         # tokenizer is never used from two threads at once.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvtether-tokenize")
@@ -158,21 +161,15 @@ class PromptTokenizer:
             raise _NotMirrored
         conversation = [_message(m) for m in messages]
         tools = body.get("tools")
-        kwargs: dict[str, Any] = {
-            "add_generation_prompt": _flag(body, "add_generation_prompt", True),
-            "continue_final_message": _flag(body, "continue_final_message", False),
-            "documents": None,
-            "reasoning_effort": None,
-        }
-        accept = self._template_vars | self._base_params
-        kwargs = {k: v for k, v in kwargs.items() if k in accept}
         text = self._tok.apply_chat_template(
             conversation=conversation,
             tools=_tool_dicts(tools) if tools is not None else None,
             chat_template=self._template,
             tokenize=False,
             return_dict=False,
-            **kwargs,
+            add_generation_prompt=_flag(body, "add_generation_prompt", True),
+            continue_final_message=_flag(body, "continue_final_message", False),
+            **self._unset_kwargs,
         )
         if not isinstance(text, str):
             raise _NotMirrored
@@ -250,7 +247,7 @@ def _text(content: Any, role: str) -> str:
     return "\n".join(parts)
 
 
-def _tool_calls(calls: Any) -> list[dict[str, Any]] | None:
+def _tool_calls(calls: Any) -> list[dict[str, Any]]:
     """Assistant tool calls as vLLM's ``_postprocess_messages`` leaves them: arguments parsed
     from JSON into an object ({} when empty, not JSON, or not an object)."""
     if not isinstance(calls, list):
@@ -287,7 +284,8 @@ def _tool_calls(calls: Any) -> list[dict[str, Any]] | None:
 
 def _tool_dicts(tools: Any) -> list[dict[str, Any]]:
     """The request's tools as vLLM passes them to the template (``ChatCompletionToolsParam``
-    dumped: unknown fields dropped, ``strict`` and ``defer_loading`` only when set)."""
+    dumped, ``strict`` only when set); a field vLLM would drop or add (``defer_loading``) is
+    not mirrored."""
     if not isinstance(tools, list):
         raise _NotMirrored
     out = []
