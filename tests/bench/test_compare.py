@@ -215,3 +215,34 @@ def test_a_small_real_run_of_all_four_strategies(tmp_path: Path) -> None:
                                                "reuse_by_turn.png", "ttft_cdf.png",
                                                "retained_kv.png"}
     assert not list((tmp_path / "state").glob("*/stack.json"))  # every stack stopped
+
+
+async def test_the_client_side_of_a_turn_is_timed_against_the_router_s_record() -> None:
+    import httpx
+
+    from kvtether import protocol as p
+    from kvtether.bench.replay import _attach_timings
+
+    record = p.TurnRecord(turn=1, outcome="fired", stream=True, ttft_s=0.5,
+                          started_unix_s=1000.01,
+                          timings=p.TurnTimings(router_wait_s=0.002, decode_first_token_s=0.49))
+    status = p.SessionStatus(conversation_id="c", decode_instance="d0", retained_tokens=0,
+                             lease_deadline_unix_s=None, lease_state="none",
+                             turns=[record, record.model_copy(update={"turn": 2})])
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/sessions/c"
+        return httpx.Response(200, json=status.model_dump(mode="json"))
+
+    streamed = TurnResult(session="s", turn=1, stream=True, started_s=0.0, ttft_s=0.56)
+    whole = TurnResult(session="s", turn=2, stream=False, started_s=1.0, latency_s=2.0)
+    other = TurnResult(session="t", turn=1, stream=True, started_s=0.0, ttft_s=9.0)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
+        await _attach_timings(http, "http://router", "c", "s", [streamed, whole, other],
+                              {1: 1000.0, 2: 1001.0})
+    # Sent at 1000.0, read by the router at 1000.01, relayed its first token at 1000.51, which
+    # the client parsed at 1000.56.
+    assert streamed.timings == {"router_wait": 0.002, "decode_first_token": 0.49,
+                                "client_to_router": 0.01, "router_to_client": 0.05}
+    assert whole.timings == {"router_wait": 0.002, "decode_first_token": 0.49}  # no TTFT
+    assert other.timings is None  # another session's turn

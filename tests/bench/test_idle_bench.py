@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtether.bench._measure import histogram_quantile, percentile
+from kvtether.bench._measure import histogram_quantile, metric_families, percentile
 from kvtether.bench.idle import Turn, VariantResult, main
 
 
@@ -19,6 +19,21 @@ def test_histogram_quantile_matches_prometheus() -> None:
     assert histogram_quantile(0.99, buckets) == pytest.approx(0.01 + 0.09 * 0.9)
     assert histogram_quantile(0.5, [(0.005, 0), (math.inf, 0)]) is None
     assert histogram_quantile(0.5, []) is None
+
+
+def test_only_the_named_metric_families_are_parsed() -> None:
+    from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+
+    registry = CollectorRegistry()
+    Gauge("vllm:kv_cache_usage_perc", "used", ["engine"], registry=registry).labels("0").set(0.25)
+    Gauge("vllm:kv_cache_usage_perc_peak", "a longer name", registry=registry).set(0.9)
+    Histogram("vllm:ttft_seconds", "ttft", registry=registry).observe(0.1)
+    text = generate_latest(registry).decode()
+    [usage] = metric_families(text, "vllm:kv_cache_usage_perc")
+    assert [(s.labels, s.value) for s in usage.samples] == [({"engine": "0"}, 0.25)]
+    [ttft] = metric_families(text, "vllm:ttft_seconds")
+    assert ttft.type == "histogram" and any(s.name.endswith("_bucket") for s in ttft.samples)
+    assert list(metric_families(text, "vllm:absent")) == []
 
 
 def test_percentile_interpolates_like_numpy() -> None:

@@ -230,7 +230,7 @@ def test_where_turn_2_plus_time_went_is_summarized_per_strategy() -> None:
     colocated.stage_p50_s = None  # no router: nothing to break down
     lines = stage_table({"colocated": colocated.as_dict(), "kvtether": m.as_dict()})
     assert [line for line in lines if line.startswith("| kvtether |")] == [
-        "| kvtether | - | 0.100 | - | - | - | 2.000 | - | - | - | - | - | - |"]
+        "| kvtether | - | 0.100 | - | - | - | 2.000 | - | - | - | - | - | - | - | - |"]
     assert not any(line.startswith("| colocated |") for line in lines)
 
 

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import httpx
 
 from kvtether import protocol as p
+from kvtether.bench._measure import metric_families
 from kvtether.bench.metrics import TurnResult, classify
 from kvtether.bench.scenario import Scenario, ScenarioSession
 from kvtether.bench.strategies import Endpoints, Strategy
@@ -74,28 +75,20 @@ class ReplayResult:
 
 async def _kv_capacity(client: httpx.AsyncClient, url: str) -> int:
     """KV capacity of one instance in tokens, from ``vllm:cache_config_info``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     text = (await client.get(f"{url}/metrics")).text
-    for family in text_string_to_metric_families(text):
-        if family.name == "vllm:cache_config_info":
-            for sample in family.samples:
-                blocks = sample.labels.get("num_gpu_blocks")
-                size = sample.labels.get("block_size")
-                if blocks and blocks != "None" and size:
-                    return int(blocks) * int(size)
+    for family in metric_families(text, "vllm:cache_config_info"):
+        for sample in family.samples:
+            blocks = sample.labels.get("num_gpu_blocks")
+            size = sample.labels.get("block_size")
+            if blocks and blocks != "None" and size:
+                return int(blocks) * int(size)
     return 0
 
 
 async def _kv_usage(client: httpx.AsyncClient, url: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
     text = (await client.get(f"{url}/metrics")).text
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        if family.name == "vllm:kv_cache_usage_perc":
-            total += sum(s.value for s in family.samples)
-    return total
+    return sum(s.value for family in metric_families(text, "vllm:kv_cache_usage_perc")
+               for s in family.samples)
 
 
 class _Sampler:
@@ -148,10 +141,11 @@ async def _call(client: Any, endpoints: Endpoints, strategy: Strategy, cid: str,
                                   extra_body=extra_body)
     if stream:
         kwargs["stream_options"] = {"include_usage": True}
+    sent_unix_s = time.time()  # against the router's clock (same host): client_to_router
     start = time.perf_counter()
     raw = await client.chat.completions.with_raw_response.create(**kwargs)
     out: dict[str, Any] = {"ttft_s": None, "prompt_ids": None, "output_ids": [], "text": "",
-                           "usage": None}
+                           "usage": None, "sent_unix_s": sent_unix_s}
     if stream:
         chunks = await _parsed(raw)
         parts: list[str] = []
@@ -201,6 +195,7 @@ async def _session(
         client = session.wrap(client)
     messages: list[dict[str, str]] = [{"role": "system", "content": scenario.system_prompt}]
     built: list[int] | None = None
+    sent: dict[int, float] = {}  # turn -> when the client sent it (unix seconds)
     try:
         for index, turn in enumerate(s.turns, start=1):
             messages.extend(m.model_dump() for m in turn.append)
@@ -216,6 +211,7 @@ async def _session(
                     error=f"{type(exc).__name__}: {exc}"[:300]))
                 advance(len(s.turns) - index + 1)
                 return len(s.turns) - index
+            sent[index] = out["sent_unix_s"]
             usage = out["usage"]
             cached = None
             if usage is not None and getattr(usage, "prompt_tokens_details", None) is not None:
@@ -251,15 +247,19 @@ async def _session(
         if gate is not None:
             gate.ended(s.id)
         if endpoints.router_url is not None:
-            await _attach_timings(http, endpoints.router_url, cid, s.id, results)
+            await _attach_timings(http, endpoints.router_url, cid, s.id, results, sent)
         if session is not None:
             await session.aclose()
         await http.aclose()
 
 
 async def _attach_timings(http: httpx.AsyncClient, router_url: str, cid: str, session_id: str,
-                          results: list[TurnResult]) -> None:
-    """Each turn's :class:`~kvtether.protocol.TurnTimings`, from the router's records."""
+                          results: list[TurnResult], sent: dict[int, float]) -> None:
+    """Each turn's :class:`~kvtether.protocol.TurnTimings`, from the router's records, plus
+    the two stages only the client sees (streamed turns; router and client on one host, one
+    clock): ``client_to_router``, from the client sending the request until the router had
+    read it, and ``router_to_client``, from the router relaying the first token until the
+    client had parsed it."""
     try:
         r = await http.get(f"{router_url}/v1/sessions/{cid}")
         status = p.SessionStatus.model_validate(r.json()) if r.status_code == 200 else None
@@ -268,10 +268,18 @@ async def _attach_timings(http: httpx.AsyncClient, router_url: str, cid: str, se
         return
     if status is None:
         return
-    by_turn = {t.turn: t.timings.stages() for t in status.turns}
+    records = {t.turn: t for t in status.turns}
     for result in results:
-        if result.session == session_id and result.error is None:
-            result.timings = by_turn.get(result.turn)
+        record = records.get(result.turn)
+        if result.session != session_id or result.error is not None or record is None:
+            continue
+        result.timings = record.timings.stages()
+        sent_unix_s = sent.get(result.turn)
+        if sent_unix_s is None or result.ttft_s is None or record.ttft_s is None:
+            continue
+        result.timings["client_to_router"] = round(record.started_unix_s - sent_unix_s, 4)
+        result.timings["router_to_client"] = round(
+            sent_unix_s + result.ttft_s - record.started_unix_s - record.ttft_s, 4)
 
 
 async def _on_arrival(sessions: list[ScenarioSession],

@@ -214,7 +214,7 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
 # The stages of protocol.TurnTimings, in the order a turn goes through them.
 STAGES = ("router_wait", "plan", "plan_tokenize", "plan_lease", "plan_prefix_cache", "prefill_leg",
           "prefill_queue", "prefill_read", "prefill_engine", "decode_first_token", "decode_queue",
-          "decode_read")
+          "decode_read", "client_to_router", "router_to_client")
 
 
 def stage_table(summary: dict[str, dict[str, Any]], label: str = "") -> list[str]:
