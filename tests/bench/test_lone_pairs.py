@@ -107,7 +107,7 @@ async def test_two_replays_of_a_session_in_lockstep_alternate_turn_by_turn() -> 
 
     from kvtether.bench.replay import replay
     from kvtether.bench.strategies import STRATEGIES
-    from tests.bench.test_sweep import COMPRESS, endpoints, serving, small_scenario
+    from tests.support.replays import COMPRESS, endpoints, serving, small_scenario
     from tests.support.fake_vllm import Cluster, FakeVLLM
 
     arrivals: list[tuple[str, int]] = []

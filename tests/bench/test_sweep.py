@@ -23,11 +23,8 @@ from kvtether.bench.replay import replay
 from kvtether.bench.scenario import Scenario, generate_scenario, load_scenario
 from kvtether.bench.strategies import STRATEGIES, Endpoints, Strategy, StrategyOptions
 from kvtether.bench.sweep import ttft_ratios
-from tests.support.fake_vllm import BLOCK_SIZE, MODEL, Cluster, FakeVLLM
-from tests.support.servers import AppServer
-
-COMPRESS = 200.0  # tool and think gaps of a few workload minutes last about a second
-
+from tests.support.fake_vllm import Cluster, FakeVLLM
+from tests.support.replays import COMPRESS, endpoints, serving, small_scenario
 
 class SessionsInFlight(FakeVLLM):
     """The fake vLLM, counting agent sessions from their first request to the answer to their
@@ -51,26 +48,6 @@ class SessionsInFlight(FakeVLLM):
         finally:
             if answered == self.turns_of[messages[1]["content"]] - 1:
                 self.active -= 1
-
-
-@contextlib.contextmanager
-def serving(make: Any) -> Iterator[FakeVLLM]:
-    """``make(port)`` -> a fake, served over HTTP on that port from a thread."""
-    with AppServer() as server:
-        fake = make(server.port)
-        server.start(fake.app, name="fake-vllm", lifespan="off")
-        yield fake
-
-
-def endpoints(fake: FakeVLLM) -> Endpoints:
-    return Endpoints(openai_base_url=f"{fake.url}/v1", router_url=None, kv_urls=[],
-                     served_model_name=MODEL, block_size=BLOCK_SIZE, recompute_threshold=16)
-
-
-def small_scenario(sessions: int, *, arrival_s: float = 3600.0) -> Scenario:
-    return generate_scenario(sessions, seed=2, turns=(3, 4), context_tokens=700,
-                             system_tokens=200, max_output_tokens=16, long_tools=0,
-                             arrival_s=arrival_s)
 
 
 # --- the session limit -----------------------------------------------------------------------
