@@ -26,6 +26,7 @@ from kvtether.bench.sweep import ttft_ratios
 from tests.support.fake_vllm import Cluster, FakeVLLM
 from tests.support.replays import COMPRESS, endpoints, serving, small_scenario
 
+
 class SessionsInFlight(FakeVLLM):
     """The fake vLLM, counting agent sessions from their first request to the answer to their
     last (a session is told by its task message). It sees a session end a moment before the

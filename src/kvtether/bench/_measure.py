@@ -51,7 +51,7 @@ def metric_families(text: str, *names: str) -> Iterator[Metric]:
 
     Parsing a whole vLLM ``/metrics`` page takes tens of milliseconds of Python; a benchmark
     client that samples it every 0.5 s in the event loop that also reads the streams it times
-    delays first tokens by as much (measured: up to 44 ms on a 2-core host). Only the lines of
+    delays first tokens by as much (measured: up to 86 ms on a 2-core host). Only the lines of
     the named families are parsed here.
     """
     from prometheus_client.parser import text_string_to_metric_families

@@ -211,7 +211,8 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
 
 
 # --- concurrency sweep -----------------------------------------------------------------------
-# The stages of protocol.TurnTimings, in the order a turn goes through them.
+# The stages of protocol.TurnTimings, in the order a turn goes through them, then the two only
+# the bench's client sees (replay._attach_timings).
 STAGES = ("router_wait", "plan", "plan_tokenize", "plan_lease", "plan_prefix_cache", "prefill_leg",
           "prefill_queue", "prefill_read", "prefill_engine", "decode_first_token", "decode_queue",
           "decode_read", "client_to_router", "router_to_client")
