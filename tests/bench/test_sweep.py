@@ -22,7 +22,7 @@ from kvtether.bench import compare, report
 from kvtether.bench.replay import replay
 from kvtether.bench.scenario import Scenario, generate_scenario, load_scenario
 from kvtether.bench.strategies import STRATEGIES, Endpoints, Strategy, StrategyOptions
-from kvtether.bench.sweep import ttft_ratios
+from kvtether.bench.sweep import ttft_ratios, ttft_vs_alone
 from tests.support.fake_vllm import Cluster, FakeVLLM
 from tests.support.replays import COMPRESS, endpoints, serving, small_scenario
 
@@ -120,6 +120,10 @@ def test_a_sweep_replays_each_level_on_each_strategy_started_once(
     assert all((r["divergent_outputs"], r["compared_outputs"]) == (0, scenario.turns)
                for r in upstream)
     assert data["ttft_p50_ratios"] == []  # kvtether did not run
+    # Level 3's turns against the same turns at level 1 (run after it), strategy by strategy.
+    assert [(r["concurrency"], r["strategy"], r["turns"]) for r in data["ttft_vs_alone"]] == [
+        (3, "colocated", scenario.turns - 3), (3, "pd-upstream", scenario.turns - 3)]
+    assert all(r["p50"] > 0 for r in data["ttft_vs_alone"])
     # Each level talks in conversations of its own: no level can reuse another's KV.
     ids: dict[str, set[str]] = {}
     for received in fake.requests:
@@ -130,7 +134,9 @@ def test_a_sweep_replays_each_level_on_each_strategy_started_once(
     assert not set.intersection(*ids.values())
 
     md = (out / "sweep.md").read_text()
-    assert len([line for line in md.splitlines() if line.startswith(("| 1 |", "| 3 |"))]) == 4
+    # The main table and the spread table: one row per level and strategy in each.
+    assert len([line for line in md.splitlines() if line.startswith(("| 1 |", "| 3 |"))]) == 8
+    assert "| 1 | colocated |" in md and "| - |" in md  # level 1 has nothing to divide by
     assert (out / "sweep.png").read_bytes().startswith(b"\x89PNG")
     assert not (out / "results.json").exists()
     printed = capsys.readouterr().out
@@ -160,8 +166,32 @@ def test_sweep_report_shows_the_kvtether_over_colocated_ratio(tmp_path: Path) ->
     md = report.render_sweep_markdown(result)
     assert "| 1 | kvtether | 1.000 / 2.000 | 0.500 | 3/4 | 0 | 0 / 9 |" in md
     assert "| 1 | 2.00x |" in md and "| 4 | - |" in md
+    assert "| 4 | colocated | 2.00x | - |" in md and "| 4 | kvtether | - | - |" in md
     # A strategy without a TTFT at some level is still drawn (the gap is left open).
     assert [x.name for x in report.write_sweep_plot(result, tmp_path)] == ["sweep.png"]
+
+
+def test_sweep_divides_each_turn_by_the_same_turn_at_level_1() -> None:
+    def turn(session: str, n: int, ttft: float | None, stream: bool = True) -> dict[str, Any]:
+        return {"session": session, "turn": n, "stream": stream, "ttft_s": ttft}
+
+    alone = [turn("s0", 1, 9.0), turn("s0", 2, 1.0), turn("s0", 3, 4.0), turn("s1", 2, 0.5),
+             turn("s1", 3, 2.0, stream=False)]
+    busy = [turn("s0", 1, 90.0), turn("s0", 2, 2.0), turn("s0", 3, 4.0), turn("s1", 2, 2.0),
+            turn("s1", 3, 9.0, stream=False), turn("s2", 2, 5.0)]
+    detail = {"1": {"kvtether": {"turns": alone}},
+              "4": {"kvtether": {"turns": busy}, "colocated": {"turns": busy}}}
+    rows = ttft_vs_alone(detail)
+    # Turns 2+, streamed, at both levels: s0/2 2.0x, s0/3 1.0x, s1/2 4.0x. Colocated did not
+    # run level 1 here, so none of its turns has a partner.
+    assert rows == [
+        {"concurrency": 4, "strategy": "kvtether", "turns": 3, "p50": 2.0, "p99": 3.96},
+        {"concurrency": 4, "strategy": "colocated", "turns": 0, "p50": None, "p99": None},
+    ]
+    assert ttft_vs_alone({"4": detail["4"]}) == []  # no level 1, nothing to divide by
+    result = {"rows": [{"concurrency": 4, "strategy": "kvtether", "ttft_p50_s": 2.0,
+                        "ttft_p99_s": 4.9}], "ttft_vs_alone": rows}
+    assert "| 4 | kvtether | 2.45x | 2.00x / 3.96x (3) |" in report._spread_lines(result)
 
 
 # --- arguments -------------------------------------------------------------------------------

@@ -262,6 +262,7 @@ def render_sweep_markdown(result: dict[str, Any]) -> str:
         for r in ratios:
             ratio = r["kvtether_over_colocated_ttft_p50"]
             lines.append(f"| {r['concurrency']} | {'-' if ratio is None else f'{ratio:.2f}x'} |")
+    lines += _spread_lines(result)
     lines += [
         "",
         "TTFT: streamed turns 2+ (time to the first token through the SDK). turns/s: turns "
@@ -271,6 +272,25 @@ def render_sweep_markdown(result: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _spread_lines(result: dict[str, Any]) -> list[str]:
+    """Each row's TTFT p99 over its p50, beside its TTFTs over the same turns' at level 1."""
+    vs_alone = {(r["concurrency"], r["strategy"]): r for r in result.get("ttft_vs_alone") or []}
+    lines = ["", "| concurrency | strategy | TTFT p99 / p50 | TTFT / same turn at level 1: "
+             "p50 / p99 (turns) |", "|---|---|---|---|"]
+    for row in result["rows"]:
+        p50, p99 = row["ttft_p50_s"], row["ttft_p99_s"]
+        spread = f"{p99 / p50:.2f}x" if p50 and p99 is not None else "-"
+        alone = vs_alone.get((row["concurrency"], row["strategy"]))
+        ratios = ("-" if alone is None or alone["p50"] is None else
+                  f"{alone['p50']:.2f}x / {alone['p99']:.2f}x ({alone['turns']})")
+        lines.append(f"| {row['concurrency']} | {row['strategy']} | {spread} | {ratios} |")
+    lines += ["", "The same turn at level 1: each streamed turn 2+'s TTFT divided by the same "
+              "turn's (session, turn) at level 1 on the same strategy, when level 1 ran; the "
+              "waiting a level adds, apart from the spread of turn sizes the scenario has alone "
+              "(its TTFT p99 / p50 at level 1)."]
+    return lines
 
 
 def write_sweep(result: dict[str, Any], out: Path) -> list[Path]:

@@ -5,7 +5,9 @@ level, in the order given: at level N at most N sessions run at a time, each sta
 a slot is free, in scenario order (arrival times ignored; tool and think gaps kept). Every level
 has its own conversation ids, so no level reads KV that an earlier one left behind. Per level and
 strategy the figures are :func:`~kvtether.bench.metrics.summarize`'s, with outputs compared to
-``colocated``'s at the same level. Writes ``sweep.json``, ``sweep.md`` and ``sweep.png``
+``colocated``'s at the same level. With level 1 in the sweep, each streamed turn 2+'s TTFT is
+also divided by the same turn's at level 1 on the same strategy (:func:`ttft_vs_alone`): what a
+level adds to each turn, apart from the spread of turn sizes the scenario has alone. Writes ``sweep.json``, ``sweep.md`` and ``sweep.png``
 (:mod:`kvtether.bench.report`) and prints the table.
 """
 
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtether.bench import report
+from kvtether.bench._measure import percentile
 from kvtether.bench.compare import (
     StartStrategy,
     replay_scenario,
@@ -34,7 +37,7 @@ from kvtether.bench.strategies import STRATEGIES, start_strategy
 if TYPE_CHECKING:
     from kvtether.bench.replay import ReplayResult
 
-__all__ = ["print_sweep_table", "run_sweep", "sweep_main", "ttft_ratios"]
+__all__ = ["print_sweep_table", "run_sweep", "sweep_main", "ttft_ratios", "ttft_vs_alone"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +50,9 @@ def run_sweep(args: argparse.Namespace, scenario: Scenario, command: str,
     """Replay ``scenario`` at every level on every strategy of ``args.strategies``.
 
     Returns ``run`` (how the sweep was made), ``rows`` (one summary per level and strategy,
-    levels in the order given), ``ttft_p50_ratios`` (kvtether / colocated, per level) and
-    ``detail`` (per level, per strategy: every turn and the retained-KV samples).
+    levels in the order given), ``ttft_p50_ratios`` (kvtether / colocated, per level),
+    ``ttft_vs_alone`` (:func:`ttft_vs_alone`) and ``detail`` (per level, per strategy: every
+    turn and the retained-KV samples).
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -97,6 +101,7 @@ def run_sweep(args: argparse.Namespace, scenario: Scenario, command: str,
         "run": {**run_meta(args, scenario, command, reference), "levels": list(levels)},
         "rows": rows,
         "ttft_p50_ratios": ttft_ratios(rows),
+        "ttft_vs_alone": ttft_vs_alone(detail),
         "detail": detail,
     }
 
@@ -120,6 +125,39 @@ def ttft_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ratio = (round(k["ttft_p50_s"] / c["ttft_p50_s"], 3)
                  if k["ttft_p50_s"] is not None and c["ttft_p50_s"] else None)
         out.append({"concurrency": level, "kvtether_over_colocated_ttft_p50": ratio})
+    return out
+
+
+def ttft_vs_alone(detail: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per level above 1 and strategy: each streamed turn 2+'s TTFT over the same turn's
+    (session and turn number) at level 1 on the same strategy, p50 and p99 of those ratios,
+    and how many turns had a TTFT at both. ``[]`` when level 1 was not run.
+
+    A level's TTFT p99 over its p50 mixes two things: the turns' own sizes (at level 1 this
+    scenario's longest addition takes several times its median turn) and the waiting the level
+    adds. The ratio to the same turn alone is the second only.
+    """
+    alone_by_name = detail.get("1")
+    if not alone_by_name:
+        return []
+
+    def ttfts(turns: list[dict[str, Any]]) -> dict[tuple[str, int], float]:
+        return {(t["session"], t["turn"]): t["ttft_s"] for t in turns
+                if t["turn"] > 1 and t["stream"] and t["ttft_s"]}
+
+    out: list[dict[str, Any]] = []
+    for level, by_name in detail.items():
+        if level == "1":
+            continue
+        for name, at_level in by_name.items():
+            alone = ttfts(alone_by_name.get(name, {}).get("turns", []))
+            ratios = [ttft / alone[key] for key, ttft in ttfts(at_level["turns"]).items()
+                      if key in alone]
+            out.append({
+                "concurrency": int(level), "strategy": name, "turns": len(ratios),
+                "p50": round(percentile(ratios, 50), 3) if ratios else None,
+                "p99": round(percentile(ratios, 99), 3) if ratios else None,
+            })
     return out
 
 
@@ -149,6 +187,10 @@ def print_sweep_table(result: dict[str, Any]) -> None:
         ratio = r["kvtether_over_colocated_ttft_p50"]
         console.print(f"  {r['concurrency']} at a time: kvtether / colocated TTFT p50 "
                       + ("-" if ratio is None else f"{ratio:.2f}x"))
+    for r in result.get("ttft_vs_alone") or []:
+        console.print(f"  {r['concurrency']} at a time, {r['strategy']}: TTFT / same turn at "
+                      f"level 1, p50 {report._fmt(r['p50'], 2)}x, p99 {report._fmt(r['p99'], 2)}x "
+                      f"({r['turns']} turns)")
 
 
 def sweep_main(args: argparse.Namespace, scenario: Scenario, command: str,
