@@ -7,8 +7,9 @@ has its own conversation ids, so no level reads KV that an earlier one left behi
 strategy the figures are :func:`~kvtether.bench.metrics.summarize`'s, with outputs compared to
 ``colocated``'s at the same level. With level 1 in the sweep, each streamed turn 2+'s TTFT is
 also divided by the same turn's at level 1 on the same strategy (:func:`ttft_vs_alone`): what a
-level adds to each turn, apart from the spread of turn sizes the scenario has alone. Writes ``sweep.json``, ``sweep.md`` and ``sweep.png``
-(:mod:`kvtether.bench.report`) and prints the table.
+level adds to each turn, apart from the spread of turn sizes the scenario has alone. Writes
+``sweep.json``, ``sweep.md`` and ``sweep.png`` (:mod:`kvtether.bench.report`) and prints the
+table.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def ttft_vs_alone(detail: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     (session and turn number) at level 1 on the same strategy, p50 and p99 of those ratios,
     and how many turns had a TTFT at both. ``[]`` when level 1 was not run.
 
-    A level's TTFT p99 over its p50 mixes two things: the turns' own sizes (at level 1 this
+    A level's TTFT p99 over its p50 mixes two things: the turns' own sizes (at level 1 a
     scenario's longest addition takes several times its median turn) and the waiting the level
     adds. The ratio to the same turn alone is the second only.
     """
