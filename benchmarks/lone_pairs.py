@@ -19,6 +19,13 @@ on a shared host. ``--repeat N`` runs the whole scenario N times (each repeat un
 prompt of its own, so that no repeat reads another's prefix cache, and with the session order
 flipped from one repeat to the next); a turn's figures are then the medians of its N pairs.
 
+Both deployments compute on the same core (the colocated baseline shares decode's), and stock
+vLLM's worker spins (``sched_yield``) for 1 s after every step it ran, pinned there
+(``SpinCondition.busy_loop_s``; kvtether's instances spin 20 ms, ``rpc_busy_loop_s``). So a
+turn sent on kvtether straight after colocated's shared its core with that spin for up to a
+second, and one sent on colocated after kvtether's did not. Each turn therefore starts
+``--settle-s`` (1.5 s) after the other deployment's last turn ended, outside its TTFT.
+
     python -m benchmarks.lone_pairs --scenario docs/benchmarks/sweep-local-prefill/scenario.json \\
         --repeat 3 --json /tmp/lone.json
 """
@@ -30,6 +37,7 @@ import asyncio
 import json
 import statistics
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -46,10 +54,13 @@ from kvtether.bench.strategies import STRATEGIES, StrategyOptions, start_strateg
 class Lockstep:
     """Replays of one session on several deployments, turn by turn: turn k on ``order[0]``,
     then on ``order[1]`` ..., then turn k+1, one model call at a time. A replay that ends early
-    (a failed turn) is skipped from then on, so the others never wait for it."""
+    (a failed turn) is skipped from then on, so the others never wait for it. Each turn starts
+    ``settle_s`` after the turn before it ended (see the module's docstring)."""
 
-    def __init__(self, order: Sequence[str]) -> None:
+    def __init__(self, order: Sequence[str], settle_s: float = 0.0) -> None:
         self.order = list(order)
+        self.settle_s = settle_s
+        self._last_end = -float("inf")
         self._turn, self._pos = 1, 0
         self._ended: set[str] = set()
         self._changed = asyncio.Event()
@@ -62,8 +73,12 @@ class Lockstep:
         while not (self._turn == index and self.order[self._pos] == name):
             changed = self._changed
             await changed.wait()
+        wait_s = self._last_end + self.settle_s - time.monotonic()
+        if wait_s > 0:
+            await asyncio.sleep(wait_s)
 
     def _next(self) -> None:
+        self._last_end = time.monotonic()
         for _ in self.order:  # the next slot of a replay that has not ended
             self._pos += 1
             if self._pos == len(self.order):
@@ -157,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interleave", choices=("turn", "session"), default="turn",
                         help="turn: each turn on both deployments before the next (default); "
                              "session: the whole session on one, then on the other")
+    parser.add_argument("--settle-s", type=float, default=1.5,
+                        help="with --interleave turn: each turn starts this long after the turn "
+                             "before it ended, once the other deployment's spin is over")
     parser.add_argument("--json", type=Path, help="write every turn and the pairs here")
     args = parser.parse_args(argv)
     if args.repeat < 1:
@@ -206,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({
             "scenario": str(args.scenario), "profile": args.profile, "margin_s": margin_s,
-            "repeat": args.repeat, "interleave": args.interleave, "summary": said, "pairs": rows,
+            "repeat": args.repeat, "interleave": args.interleave, "settle_s": args.settle_s,
+            "summary": said, "pairs": rows,
             "pairs_per_repeat": flat,
             "turns": [{name: [t.as_dict() for t in ts] for name, ts in by_name.items()}
                       for by_name in repeats],
@@ -225,7 +244,7 @@ async def both(one: Scenario, order: list[str], endpoints: dict[str, Any],
 
     if args.interleave == "session":
         return {name: await replay(name) for name in order}
-    lockstep = Lockstep(order)
+    lockstep = Lockstep(order, args.settle_s)
     done = await asyncio.gather(*(replay(name, lockstep.of(name)) for name in order))
     return dict(zip(order, done, strict=True))
 

@@ -99,6 +99,32 @@ def test_lockstep_runs_each_turn_on_every_deployment_before_the_next_one_at_a_ti
     assert [(n, k) for n, k, _ in calls] == [("b", 1), ("a", 1), ("b", 2), ("a", 2), ("b", 3)]
 
 
+def test_lockstep_starts_each_turn_settle_s_after_the_turn_before_it_ended() -> None:
+    import asyncio
+    import time
+
+    spans: list[tuple[float, float]] = []
+
+    async def replay(gate: lone_pairs._LockstepGate) -> None:
+        try:
+            for k in (1, 2):
+                async with gate.turn("s1", k):
+                    start = time.monotonic()
+                    await asyncio.sleep(0.01)
+                    spans.append((start, time.monotonic()))
+        finally:
+            gate.ended("s1")
+
+    async def run() -> None:
+        lockstep = lone_pairs.Lockstep(["b", "a"], settle_s=0.05)
+        await asyncio.wait_for(asyncio.gather(replay(lockstep.of("a")),
+                                              replay(lockstep.of("b"))), 5)
+
+    asyncio.run(run())
+    assert len(spans) == 4
+    assert all(nxt[0] - prev[1] >= 0.049 for prev, nxt in zip(spans, spans[1:]))
+
+
 async def test_two_replays_of_a_session_in_lockstep_alternate_turn_by_turn() -> None:
     import asyncio
 
