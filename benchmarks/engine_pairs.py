@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 
 from kvtether import protocol as p
+from kvtether.bench._measure import metric_families
 from kvtether.bench.strategies import STRATEGIES, StrategyOptions, start_strategy
 
 WAYS = ("colocated", "decode", "kvtether")
@@ -106,13 +107,16 @@ def order(rnd: int, addition: int) -> tuple[str, ...]:
 
 
 def engine_clock(client: httpx.Client, base_url: str) -> dict[str, float]:
-    """The running totals of :data:`ENGINE_SERIES` on one vLLM (``base_url`` without /v1)."""
+    """The running totals of :data:`ENGINE_SERIES` on one vLLM (``base_url`` without /v1),
+    summed over labels."""
     totals = dict.fromkeys(ENGINE_SERIES, 0.0)
     wanted = {series: key for key, series in ENGINE_SERIES.items()}
-    for line in client.get(f"{base_url}/metrics").text.splitlines():
-        key = wanted.get(line.partition("{")[0].partition(" ")[0])
-        if key is not None:
-            totals[key] += float(line.rsplit(" ", 1)[1])
+    families = {series.rpartition("_")[0] for series in wanted}  # x_sum, x_count: family x
+    for family in metric_families(client.get(f"{base_url}/metrics").text, *families):
+        for sample in family.samples:
+            key = wanted.get(sample.name)
+            if key is not None:
+                totals[key] += sample.value
     return totals
 
 

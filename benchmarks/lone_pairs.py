@@ -19,12 +19,9 @@ on a shared host. ``--repeat N`` runs the whole scenario N times (each repeat un
 prompt of its own, so that no repeat reads another's prefix cache, and with the session order
 flipped from one repeat to the next); a turn's figures are then the medians of its N pairs.
 
-Both deployments compute on the same core (the colocated baseline shares decode's), and stock
-vLLM's worker spins (``sched_yield``) for 1 s after every step it ran, pinned there
-(``SpinCondition.busy_loop_s``; kvtether's instances spin 20 ms, ``rpc_busy_loop_s``). So a
-turn sent on kvtether straight after colocated's shared its core with that spin for up to a
-second, and one sent on colocated after kvtether's did not. Each turn therefore starts
-``--settle-s`` (1.5 s) after the other deployment's last turn ended, outside its TTFT.
+Both deployments compute on the same core, and stock vLLM's worker spins there for 1 s after
+each step (see ``benchmarks.engine_pairs.SETTLE_S``), so each turn starts ``--settle-s`` after
+the turn before it ended, outside its TTFT.
 
     python -m benchmarks.lone_pairs --scenario docs/benchmarks/sweep-local-prefill/scenario.json \\
         --repeat 3 --json /tmp/lone.json
@@ -44,6 +41,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from benchmarks.engine_pairs import SETTLE_S
 from kvtether.bench.compare import replay_scenario
 from kvtether.bench.metrics import TurnResult, mark_divergence
 from kvtether.bench.replay import ReplayResult, TurnGate
@@ -172,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interleave", choices=("turn", "session"), default="turn",
                         help="turn: each turn on both deployments before the next (default); "
                              "session: the whole session on one, then on the other")
-    parser.add_argument("--settle-s", type=float, default=1.5,
+    parser.add_argument("--settle-s", type=float, default=SETTLE_S,
                         help="with --interleave turn: each turn starts this long after the turn "
                              "before it ended, once the other deployment's spin is over")
     parser.add_argument("--json", type=Path, help="write every turn and the pairs here")

@@ -39,10 +39,14 @@ def test_the_engine_clock_sums_each_series_over_its_labels() -> None:
 
     text = "\n".join([
         "# HELP vllm:request_queue_time_seconds queue",
+        "# TYPE vllm:request_queue_time_seconds histogram",
         'vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 1.5',
         'vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 3.0',
+        "# TYPE vllm:request_prefill_time_seconds histogram",
         'vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 2.25',
+        "# TYPE vllm:time_to_first_token_seconds histogram",
         'vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 2.5',
+        "# TYPE vllm:iteration_tokens_total histogram",
         'vllm:iteration_tokens_total_count{engine="0",model_name="m"} 40.0',
         'vllm:iteration_tokens_total_count{engine="1",model_name="m"} 2.0',
         'vllm:iteration_tokens_total_sum{engine="0",model_name="m"} 900.0',
