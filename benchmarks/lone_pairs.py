@@ -23,6 +23,12 @@ Both deployments compute on the same core, and stock vLLM's worker spins there f
 each step (see ``benchmarks.engine_pairs.SETTLE_S``), so each turn starts ``--settle-s`` after
 the turn before it ended, outside its TTFT.
 
+Each row says how the router served the kvtether turn (``path``: see :func:`path`). Between
+two of its turns a kvtether replay here waits for colocated's turn and two settles, several
+seconds, while ``--compress`` shortens the leases to the bench's floor (12-14 s at 64x): a turn
+that comes after its lease ended goes decode's prefix-cache way (``lapsed``), as a conversation
+does after a person's pause of a minute at 1x.
+
     python -m benchmarks.lone_pairs --scenario docs/benchmarks/sweep-local-prefill/scenario.json \\
         --repeat 3 --json /tmp/lone.json
 """
@@ -108,6 +114,19 @@ class _LockstepGate:
         self._lockstep._end(self._name)
 
 
+def path(t: TurnResult) -> str:
+    """How the router served a kvtether turn, from its record's stages: ``prefill`` (a prefill
+    leg read decode's KV), ``decode`` (decode computed the new tokens on the KV its lease
+    held), ``lapsed`` (the lease had ended, or would within the router's safety margin: decode
+    computed the turn on what its prefix cache still held) or ``?`` (no record)."""
+    stages = t.timings or {}
+    if stages.get("prefill_leg") is not None:
+        return "prefill"
+    if stages.get("plan_prefix_cache") is not None:
+        return "lapsed"
+    return "decode" if stages else "?"
+
+
 def pair(colocated: list[TurnResult], kvtether: list[TurnResult],
          margin_s: float) -> list[dict[str, Any]]:
     """Each fired streamed kvtether turn beside colocated's same turn, by new tokens."""
@@ -122,7 +141,7 @@ def pair(colocated: list[TurnResult], kvtether: list[TurnResult],
         rows.append({"session": t.session, "turn": t.turn,
                      "new_tokens": t.recomputed_tokens,
                      "colocated_ttft_s": round(c.ttft_s, 4), "kvtether_ttft_s": round(t.ttft_s, 4),
-                     "diff_s": round(diff, 4), "within": diff <= margin_s})
+                     "diff_s": round(diff, 4), "within": diff <= margin_s, "path": path(t)})
     return sorted(rows, key=lambda r: r["new_tokens"])
 
 
@@ -140,8 +159,16 @@ def medians(rows: list[dict[str, Any]], margin_s: float) -> list[dict[str, Any]]
                     "colocated_ttft_s": round(mid["colocated_ttft_s"], 4),
                     "kvtether_ttft_s": round(mid["kvtether_ttft_s"], 4),
                     "diff_s": round(mid["diff_s"], 4), "within": mid["diff_s"] <= margin_s,
-                    "pairs": len(rs)})
+                    "pairs": len(rs), "path": "/".join(sorted(r["path"] for r in rs))})
     return sorted(out, key=lambda r: r["new_tokens"])
+
+
+def by_path(rows: list[dict[str, Any]]) -> str:
+    """How many of ``rows`` are within the margin, for each way the router served them."""
+    paths = sorted({r["path"] for r in rows})
+    return ", ".join(
+        f"{name} {sum(r['within'] for r in rows if r['path'] == name)} of "
+        f"{sum(1 for r in rows if r['path'] == name)}" for name in paths)
 
 
 def summary(rows: list[dict[str, Any]], margin_s: float) -> str:
@@ -206,10 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     per_repeat = [pair(t["colocated"], t["kvtether"], margin_s) for t in repeats]
     flat = [dict(r, repeat=rep) for rep, rows in enumerate(per_repeat) for r in rows]
     rows = medians(flat, margin_s) if args.repeat > 1 else flat
-    print(f"{'session':8} {'turn':>4} {'new tok':>7} {'colocated':>9} {'kvtether':>9} {'diff':>7}")
+    print(f"{'session':8} {'turn':>4} {'new tok':>7} {'colocated':>9} {'kvtether':>9} {'diff':>7}"
+          "  path")
     for r in rows:
         print(f"{r['session']:8} {r['turn']:>4} {r['new_tokens']:>7} {r['colocated_ttft_s']:>9.3f} "
-              f"{r['kvtether_ttft_s']:>9.3f} {r['diff_s']:>+7.3f}{'' if r['within'] else '  over'}")
+              f"{r['kvtether_ttft_s']:>9.3f} {r['diff_s']:>+7.3f}  {r['path']}"
+              f"{'' if r['within'] else '  over'}")
+    print(f"within +{args.margin_ms:.0f} ms by path, every pair: {by_path(flat)}")
     if args.repeat > 1:
         for rep, pr in enumerate(per_repeat):
             print(f"repeat {rep + 1} alone: {summary(pr, margin_s)}")

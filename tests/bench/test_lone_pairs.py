@@ -155,3 +155,25 @@ async def test_two_replays_of_a_session_in_lockstep_alternate_turn_by_turn() -> 
     turns = len(one.sessions[0].turns)
     assert arrivals == [(name, k) for k in range(1, turns + 1) for name in ("b", "a")]
     assert all(t.error is None for result in done for t in result.turns)
+
+
+
+def _served(ttft: float, stages: dict[str, float] | None) -> TurnResult:
+    t = _turn("s1", 2, ttft)
+    t.timings = stages
+    return t
+
+
+def test_each_pair_names_the_way_the_router_served_the_turn() -> None:
+    assert lone_pairs.path(_served(0.5, {"plan": 0.01, "prefill_leg": 0.3})) == "prefill"
+    assert lone_pairs.path(_served(0.5, {"plan_prefix_cache": 0.002})) == "lapsed"
+    assert lone_pairs.path(_served(0.5, {"decode_first_token": 0.4})) == "decode"
+    assert lone_pairs.path(_served(0.5, None)) == "?"
+    rows = []
+    for rep, (k, stages) in enumerate([(0.52, {"decode_first_token": 0.5}),
+                                       (0.60, {"plan_prefix_cache": 0.002}),
+                                       (0.53, {"plan_prefix_cache": 0.002})]):
+        pairs = lone_pairs.pair([_turn("s1", 2, 0.50)], [_served(k, stages)], 0.05)
+        rows += [dict(r, repeat=rep) for r in pairs]
+    assert lone_pairs.by_path(rows) == "decode 1 of 1, lapsed 1 of 2"
+    assert lone_pairs.medians(rows, 0.05)[0]["path"] == "decode/lapsed/lapsed"
