@@ -113,6 +113,20 @@ async def test_a_short_turn_whose_decode_died_is_answered_by_another() -> None:
 
 
 # ---------------------------------------------------------------- after the lease has ended
+async def test_a_short_turn_in_the_last_seconds_of_its_lease_is_computed_on_decode() -> None:
+    """The safety margin guards a handle forwarded to prefill; a turn decode computes on its
+    own retained KV forwards none, so it is neither renewed nor sent the lapsed way."""
+    async with make_router(control=True, fake=FAKE, local_prefill_max_tokens=200,
+                           lease_ttl_s=5.0, lease_safety_margin_s=10.0) as h:
+        agent = h.conversation("late")
+        await agent.say("first question " * 20)
+        t2 = await agent.say("short tool output " * 10)
+        assert t2.outcome == "fired" and t2.reused > 0
+        assert h.d.decode_params[-1].get(p.KV_PARAM_LOCAL_PREFILL) is True
+        assert h.d.renewals == [] and h.d.prefix_cache_queries == []
+        h.assert_kv_correct()
+
+
 @contextlib.asynccontextmanager
 async def _lapsed(name: str) -> AsyncIterator[tuple[Harness, Agent]]:
     """A conversation of two turns whose lease then lapsed (a person thought for longer);

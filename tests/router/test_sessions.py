@@ -155,12 +155,35 @@ async def test_lease_expiry(control: bool) -> None:
         h.assert_kv_correct()
 
 
-async def test_lease_expired_within_safety_margin_not_forwarded() -> None:
-    """A handle about to expire is never forwarded (P would decline or read freed blocks)."""
-    async with make_router(control=True, lease_ttl_s=5.0, lease_safety_margin_s=10.0) as h:
+async def test_a_lease_within_the_safety_margin_is_renewed_before_its_handle_goes() -> None:
+    """A turn back in the last seconds of its lease keeps its KV: the lease is renewed to
+    ``handoff_lease_s`` first, and the handle carries the renewed deadline (the fake prefill,
+    like vLLM's, declines a handle within 5 s of its expiry)."""
+    async with make_router(control=True, lease_ttl_s=5.0, lease_safety_margin_s=10.0,
+                           handoff_lease_s=60.0) as h:
+        a = await two_turns(h, "margin")
+        (held,) = h.d.held_leases()
+        t = await a.say("third")
+        assert t.outcome == "fired"
+        # (turn 2 came back within turn 1's margin too)
+        assert len(h.d.renewals) == 2 and h.d.renewals[-1] == (held.lease_key, 60.0)
+        fwd = h.p.prefill_handles[-1]
+        assert fwd is not None and fwd["remote_blocks_expiry_time"] == held.expiry_perf
+        h.assert_kv_correct()
+
+
+@pytest.mark.parametrize("late", ["within_late_renewal", "handoff_renewals_off"])
+async def test_a_handle_about_to_expire_is_never_forwarded(late: str) -> None:
+    """Too close to its end to renew (D would refuse, after waiting for a step), or with
+    hand-off renewals off: no handle is forwarded (P would decline it, or read freed blocks)."""
+    ttl = {"lease_ttl_s": 1.0} if late == "within_late_renewal" else {
+        "lease_ttl_s": 5.0, "handoff_lease_s": 0.0}
+    async with make_router(control=True, lease_safety_margin_s=10.0, **ttl) as h:
         a = await two_turns(h, "margin")
         t = await a.say("third")
         assert t.outcome == "miss:lease_expired"
+        assert h.p.prefill_handles[-1] is None
+        assert h.d.renewals == []
         h.assert_kv_correct()
 
 

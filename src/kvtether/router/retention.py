@@ -27,6 +27,11 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Retention", "RenewOutcome"]
 
+# A lease closer than this to its end is not renewed at hand-off: D refuses a renewal within
+# its renew guard (1 s by default) of the deadline, and the renewal waits for one of decode's
+# steps first (up to ~1 s under load), so it would mostly come back refused, late.
+LATE_RENEWAL_S = 2.0
+
 
 class RenewOutcome(str, enum.Enum):
     """What a heartbeat's renewal did to a conversation's lease."""
@@ -241,13 +246,18 @@ class Retention:
         A loaded prefill instance can queue a request for many seconds before it reads, and it
         declines a handle whose deadline has passed by then (a miss, never wrong KV); renewing
         at hand-off costs one control call, made while the prompt is tokenized.
+
+        A lease within ``lease_safety_margin_s`` of its end is renewed too (a turn that comes
+        back in the last seconds of its lease keeps its KV), unless it ends within
+        :data:`LATE_RENEWAL_S` or hand-off renewals are off: then no handle is forwarded.
         """
         r = conv.retained
         if r is None or r.handle_key is None:
             return
         now = self.deps.clock.now_unix_s()
         remaining_s = r.lease_deadline_unix_s - now
-        if remaining_s <= self.s.lease_safety_margin_s:
+        if remaining_s <= self.s.lease_safety_margin_s and (
+                remaining_s <= LATE_RENEWAL_S or self.s.handoff_lease_s <= 0):
             return
         decode = self.pool.by_name(r.decode_instance)
         if decode is None:

@@ -139,7 +139,9 @@ class RouterSettings(RetentionSettings, AccessSettings, BaseSettings):
         default=900.0, gt=0, description="longest lease a hint or heartbeat may ask for"
     )
     lease_safety_margin_s: float = Field(
-        default=6.0, ge=0, description="never forward a handle that expires within this margin"
+        default=6.0, ge=0, description="a handle whose lease ends within this margin is renewed "
+        "(to handoff_lease_s) before it is forwarded; within 2 s of its end, or with "
+        "handoff_lease_s 0, it is not forwarded"
     )
     handoff_lease_s: float = Field(
         default=300.0, ge=0,

@@ -550,13 +550,14 @@ class TurnRunner:
                 conv.gone_cause = p.MissCause.DECODE_UNAVAILABLE
         clock = self.deps.clock
 
-        def plan(prompt_ids: list[int] | None) -> ReusePlan:
+        def plan(prompt_ids: list[int] | None,
+                 safety_margin_s: float = self.s.lease_safety_margin_s) -> ReusePlan:
             return plan_reuse(
                 conv,
                 prompt_ids,
                 block_size=self.s.kv_block_size_tokens,
                 recompute_threshold_tokens=self.s.kv_recompute_threshold_tokens,
-                safety_margin_s=self.s.lease_safety_margin_s,
+                safety_margin_s=safety_margin_s,
                 now_unix_s=clock.now_unix_s(),
                 checked_by_prefill=not req.api.token_ids_in_answer,
             )
@@ -575,7 +576,11 @@ class TurnRunner:
             prompt_ids = req.prompt_ids  # tokenized while choosing its branch (in router_wait)
             timings.plan_tokenize_s = req.tokenize_s
             assert holder is not None
-            local = plan(prompt_ids)
+            # No safety margin: it guards a handle forwarded to prefill, and a turn decode
+            # computes forwards none. If the lease ends before decode schedules the turn, its
+            # prefix cache still holds the blocks unless it needed the space, and the turn's
+            # record says what vLLM reported it computed (_check_local_hit).
+            local = plan(prompt_ids, safety_margin_s=0.0)
             if self._prefills_locally(local, holder, prefill):
                 # Decode computes this turn on what its prefix cache holds: no handle goes to
                 # prefill, so nothing need outlive a prefill queue. Renewing here would wait
