@@ -42,6 +42,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -117,7 +118,7 @@ class _LockstepGate:
 def path(t: TurnResult) -> str:
     """How the router served a kvtether turn, from its record's stages: ``prefill`` (a prefill
     leg read decode's KV), ``decode`` (decode computed the new tokens on the KV its lease
-    held), ``lapsed`` (the lease had ended, or would within the router's safety margin: decode
+    held), ``lapsed`` (the lease had ended, or was too close to its end to renew: decode
     computed the turn on what its prefix cache still held) or ``?`` (no record)."""
     stages = t.timings or {}
     if stages.get("prefill_leg") is not None:
@@ -165,10 +166,9 @@ def medians(rows: list[dict[str, Any]], margin_s: float) -> list[dict[str, Any]]
 
 def by_path(rows: list[dict[str, Any]]) -> str:
     """How many of ``rows`` are within the margin, for each way the router served them."""
-    paths = sorted({r["path"] for r in rows})
-    return ", ".join(
-        f"{name} {sum(r['within'] for r in rows if r['path'] == name)} of "
-        f"{sum(1 for r in rows if r['path'] == name)}" for name in paths)
+    total = Counter(r["path"] for r in rows)
+    within = Counter(r["path"] for r in rows if r["within"])
+    return ", ".join(f"{name} {within[name]} of {total[name]}" for name in sorted(total))
 
 
 def summary(rows: list[dict[str, Any]], margin_s: float) -> str:

@@ -157,7 +157,6 @@ async def test_two_replays_of_a_session_in_lockstep_alternate_turn_by_turn() -> 
     assert all(t.error is None for result in done for t in result.turns)
 
 
-
 def _served(ttft: float, stages: dict[str, float] | None) -> TurnResult:
     t = _turn("s1", 2, ttft)
     t.timings = stages
