@@ -38,9 +38,9 @@ class FakeEngine:
     def finish_turn(self, key: str, rid: str, ttl_s: float, tokens: int = 64) -> None:
         handle = {"remote_block_ids": [[7, 8]], "remote_num_tokens": tokens,
                   "remote_engine_id": "D"}
-        updates = self.table.open(key, rid, handle, retained_blocks=2, retained_tokens=tokens,
-                                  ttl_s=ttl_s)
-        self.worker_deadlines.update(updates)
+        opened = self.table.open(key, rid, handle, retained_blocks=2, retained_tokens=tokens,
+                                 ttl_s=ttl_s)
+        self.worker_deadlines.update(opened.updates)
 
     def _run(self) -> None:
         while not self._stop.wait(0.005):
@@ -96,7 +96,10 @@ def test_handle_long_poll_renew_and_release(stack: tuple[httpx.Client, FakeEngin
     assert renewed.status_code == 200, renewed.text
     info = LeaseInfo.model_validate(renewed.json())
     assert 119 < info.remaining_s <= 120
-    assert engine.worker_deadlines["req-1"] == info.remote_blocks_expiry_time
+    # Answered at once; the worker learns the deadline (plus the slack) at the next step.
+    worker_deadline = info.remote_blocks_expiry_time + engine.table.worker_slack_s
+    wait_for(lambda: engine.worker_deadlines.get("req-1") == worker_deadline, timeout_s=5,
+             message="the renewed deadline to reach the worker")
     again = HandleResponse.model_validate(client.get("/handles/conv-1%2Ft1").json())
     assert again.kv_transfer_params["remote_blocks_expiry_time"] == info.remote_blocks_expiry_time
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from kvtether.connector._leases import LeaseTable, Reply
+from kvtether.connector._leases import LeaseTable, Opened
 from kvtether.protocol import HandleResponse, LeaseInfo, LeaseState
 
 
@@ -23,33 +23,25 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
+SLACK_S = 30.0  # LeaseTable's default worker_slack_s
+
+
 def make_table(clock: FakeClock, **kwargs: object) -> LeaseTable:
     return LeaseTable(clock=clock, wall=lambda: clock.now + 1e9, op_timeout_s=2.0, **kwargs)
 
 
 def open_lease(table: LeaseTable, key: str = "k1", rid: str = "r1", tokens: int = 100,
-               ttl_s: float = 30.0) -> dict[str, float]:
+               ttl_s: float = 30.0) -> Opened:
     handle = {"remote_block_ids": [[1, 2, 3, 4]], "remote_num_tokens": tokens}
     return table.open(key, rid, handle, retained_blocks=4, retained_tokens=tokens, ttl_s=ttl_s)
 
 
-def engine_step_soon(table: LeaseTable, sink: dict[str, float]) -> threading.Thread:
-    """Run one engine step (drain) from another thread once an op is queued."""
-
-    def step() -> None:
-        while not table._ops:  # the control thread has not queued yet
-            threading.Event().wait(0.001)
-        sink.update(table.drain())
-
-    thread = threading.Thread(target=step)
-    thread.start()
-    return thread
-
-
 def test_open_publishes_handle_with_lease_deadline(clock: FakeClock) -> None:
     table = make_table(clock)
-    updates = open_lease(table, ttl_s=30)
-    assert updates == {"r1": 1030.0}
+    opened = open_lease(table, ttl_s=30)
+    assert opened.deadline == 1030.0
+    # The worker would free the blocks only after the slack: the engine loop ends the lease.
+    assert opened.updates == {"r1": 1030.0 + SLACK_S}
     reply = table.handle("k1", wait_s=0)
     assert reply.status == 200
     body = HandleResponse.model_validate(reply.body)
@@ -62,21 +54,24 @@ def test_open_publishes_handle_with_lease_deadline(clock: FakeClock) -> None:
 
 def test_initial_lease_is_capped(clock: FakeClock) -> None:
     table = make_table(clock, max_lease_ttl_s=10)
-    assert open_lease(table, ttl_s=3600) == {"r1": 1010.0}
+    assert open_lease(table, ttl_s=3600).deadline == 1010.0
 
 
-def test_renew_waits_for_engine_step_and_moves_deadline(clock: FakeClock) -> None:
+def test_renew_is_answered_at_once_and_the_worker_learns_it_at_the_next_step(
+    clock: FakeClock,
+) -> None:
     table = make_table(clock)
     open_lease(table, ttl_s=30)
     clock.now += 20
-    sink: dict[str, float] = {}
-    thread = engine_step_soon(table, sink)
-    reply = table.renew("k1", 60)
-    thread.join()
-    assert reply.status == 200
+    woken: list[bool] = []
+    table.on_queued = lambda: woken.append(True)
+    reply = table.renew("k1", 60)  # no engine thread at all
+    assert reply.status == 200 and woken == [True]  # a sleeping engine steps to tell its worker
     info = LeaseInfo.model_validate(reply.body)
     assert info.remote_blocks_expiry_time == 1080.0 and info.renewals == 1
-    assert sink == {"r1": 1080.0}  # what the worker receives as the new deadline
+    assert table.has_pending_work()
+    assert table.drain() == {"r1": 1080.0 + SLACK_S}  # what the worker receives
+    assert table.drain() == {}  # once
     handle = HandleResponse.model_validate(table.handle("k1", 0).body)
     assert handle.kv_transfer_params["remote_blocks_expiry_time"] == 1080.0
     assert table.counters()["leases_renewed"] == 1
@@ -86,25 +81,38 @@ def test_renew_never_shortens_a_lease(clock: FakeClock) -> None:
     """A handle already forwarded carries the current deadline and P trusts it."""
     table = make_table(clock)
     open_lease(table, ttl_s=300)
-    sink: dict[str, float] = {}
-    thread = engine_step_soon(table, sink)
     reply = table.renew("k1", 10)
-    thread.join()
     assert reply.status == 200
     assert LeaseInfo.model_validate(reply.body).remote_blocks_expiry_time == 1300.0
-    assert sink == {"r1": 1300.0}
+    assert table.drain() == {"r1": 1300.0 + SLACK_S}
 
 
 def test_renew_too_close_to_expiry_is_refused(clock: FakeClock) -> None:
     table = make_table(clock, renew_guard_s=1.0)
     open_lease(table, ttl_s=30)
     clock.now += 29.5
-    sink: dict[str, float] = {}
-    thread = engine_step_soon(table, sink)
     reply = table.renew("k1", 60)
-    thread.join()
     assert reply.status == 410 and reply.body["error"]["code"] == "expiring"
-    assert sink == {}
+    assert table.drain() == {}
+
+
+def test_the_engine_loop_ends_a_lease_at_its_deadline(clock: FakeClock) -> None:
+    """The table owns expiry: the worker's own deadline is later by the slack."""
+    table = make_table(clock)
+    open_lease(table, ttl_s=5)
+    assert table.next_deadline() == 1005.0  # when a sleeping engine wakes
+    clock.now += 4.9
+    assert not table.has_pending_work() and table.drain() == {}
+    clock.now += 0.2
+    assert table.has_pending_work()
+    assert table.drain() == {"r1": 1005.0}  # at or before the clock: freed in this step
+    assert table.next_deadline() is None
+    gone = table.renew("k1", 60)
+    assert gone.status == 410 and gone.body["error"]["code"] == "expired"
+    assert table.handle("k1", 0).body["error"]["code"] == "expired"
+    table.on_freed(["r1"])
+    assert table.lease("k1").body["state"] == "expired"
+    assert table.counters()["leases_expired"] == 1
 
 
 def test_release_frees_at_once_and_reports_released(clock: FakeClock) -> None:
@@ -151,18 +159,12 @@ def test_a_release_that_does_not_wait_answers_202_without_an_engine_step(
     assert table.lease("k1").body["state"] == "released"
 
 
-def test_a_renewal_queued_before_a_release_finds_it_released(clock: FakeClock) -> None:
+def test_a_release_after_a_renewal_in_the_same_step_wins(clock: FakeClock) -> None:
     table = make_table(clock)
     open_lease(table)
-    replies: list[Reply] = []
-    renewer = threading.Thread(target=lambda: replies.append(table.renew("k1", 60)))
-    renewer.start()
-    while not table._ops:  # the renewal waits for the engine loop
-        threading.Event().wait(0.001)
+    assert table.renew("k1", 60).status == 200
     assert table.release("k1", wait_s=0).status == 202
     assert table.drain() == {"r1": 1000.0}  # the release's deadline, not the renewal's
-    renewer.join()
-    assert replies[0].status == 410 and replies[0].body["error"]["code"] == "released"
 
 
 def test_freed_after_deadline_is_expired_before_is_consumed(clock: FakeClock) -> None:
@@ -214,13 +216,13 @@ def test_max_retained_tokens_evicts_closest_to_expiry(clock: FakeClock) -> None:
     table = make_table(clock, max_retained_tokens=250)
     open_lease(table, "a", "ra", tokens=100, ttl_s=10)
     open_lease(table, "b", "rb", tokens=100, ttl_s=100)
-    updates = open_lease(table, "c", "rc", tokens=100, ttl_s=50)
-    assert updates == {"ra": 1000.0, "rc": 1050.0}  # "a" is freed at once
+    updates = open_lease(table, "c", "rc", tokens=100, ttl_s=50).updates
+    assert updates == {"ra": 1000.0, "rc": 1050.0 + SLACK_S}  # "a" is freed at once
     table.on_freed(["ra"])
     assert table.lease("a").body["state"] == "evicted"
     assert table.totals().retained_tokens == 200
     # A lease larger than the cap alone is not kept.
-    assert open_lease(table, "d", "rd", tokens=300) == {"rd": 1000.0}
+    assert open_lease(table, "d", "rd", tokens=300).updates == {"rd": 1000.0}
     assert table.handle("d", 0).body["error"]["code"] == "not_retained"
 
 
@@ -234,12 +236,12 @@ def test_reused_key_goes_to_newest_turn(clock: FakeClock) -> None:
     assert table.lease("k").body["state"] == "active"
 
 
-def test_engine_that_never_steps_gives_503(clock: FakeClock) -> None:
+def test_a_renewal_does_not_wait_for_an_engine_that_never_steps(clock: FakeClock) -> None:
+    # A loaded (or stalled) engine used to make heartbeats time out with 503 engine_busy.
     table = LeaseTable(clock=clock, op_timeout_s=0.05)
-    open_lease(table)
-    reply = table.renew("k1", 10)
-    assert reply.status == 503 and reply.body["error"]["code"] == "engine_busy"
-    assert table.drain() == {}  # the timed-out renewal was withdrawn, not applied later
+    open_lease(table, ttl_s=10)
+    assert table.renew("k1", 60).status == 200
+    assert table.drain() == {"r1": 1060.0 + SLACK_S}
 
 
 def test_turn_not_retained_under_a_reused_key_hides_the_older_handle(clock: FakeClock) -> None:
@@ -254,7 +256,7 @@ def test_a_release_that_comes_before_its_lease_opens_frees_it_at_once(clock: Fak
     # The router gave up on a streamed turn (client gone) while decode was still finishing it.
     table = make_table(clock)
     assert table.release("k-early").status == 404
-    updates = open_lease(table, key="k-early", rid="r-early", ttl_s=60)
+    updates = open_lease(table, key="k-early", rid="r-early", ttl_s=60).updates
     assert updates["r-early"] <= clock.now  # the worker frees the blocks at its next step
     assert table.totals().active_leases == 0
-    assert open_lease(table, key="k-other", rid="r-other", ttl_s=60)["r-other"] > clock.now
+    assert open_lease(table, key="k-other", rid="r-other", ttl_s=60).updates["r-other"] > clock.now

@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvtether.connector._leases import Reply  # noqa: E402
@@ -57,14 +58,14 @@ def finish_decode_turn(h: Harness, rid: str, key: str | None, max_tokens: int = 
 
 
 def call_during_step(h: Harness, call: Callable[[], Reply]) -> tuple[Reply, Any]:
-    """Run a control-channel call that waits for the engine loop (a renewal) or for the worker
-    (a release, started at once), and step the loop once."""
+    """Run a control-channel call (a renewal, answered at once, or a release, which waits for
+    the worker) and step the loop once."""
     result: list[Reply] = []
     thread = threading.Thread(target=lambda: result.append(call()))
     thread.start()
     leases = h.conn.leases
-    wait_for(lambda: leases._ops or leases._updates or not thread.is_alive(), timeout_s=5,
-             interval_s=0.001, message="the call to wait for the engine loop")
+    wait_for(lambda: leases._updates or not thread.is_alive(), timeout_s=5,
+             interval_s=0.001, message="the call to reach the lease table")
     out = h.step()
     thread.join(timeout=5)
     return result[0], out.kv_connector_metadata
@@ -88,7 +89,9 @@ def test_decode_turn_publishes_handle_with_lease_and_hashes(tmp_path: Path) -> N
     assert published.kv_transfer_params["remote_block_ids"] == block_ids
     assert published.lease.retained_tokens == n
     meta = h.step().kv_connector_metadata
-    assert meta.reqs_to_send["d-1"] == params["remote_blocks_expiry_time"]  # not the 480 s TTL
+    # The lease's deadline plus the slack (not the 480 s TTL): the engine loop ends the lease.
+    slack = h.conn.leases.worker_slack_s
+    assert meta.reqs_to_send["d-1"] == params["remote_blocks_expiry_time"] + slack
     assert h.conn.status().totals.active_leases == 1
 
 
@@ -98,10 +101,12 @@ def test_renew_reaches_worker_and_release_frees_blocks_in_one_step(tmp_path: Pat
     h.step()
     reply, meta = call_during_step(h, lambda: h.conn.leases.renew("key-1", 100))
     assert reply.status == 200
-    assert meta.reqs_to_send["d-1"] - meta.scheduler_clock == pytest.approx(100, abs=0.5)
-    assert h.worker.deadlines["d-1"] - time.perf_counter() == pytest.approx(100, abs=0.5)
+    slack = h.conn.leases.worker_slack_s
+    assert meta.reqs_to_send["d-1"] - meta.scheduler_clock == pytest.approx(100 + slack, abs=0.5)
+    assert h.worker.deadlines["d-1"] - time.perf_counter() == pytest.approx(100 + slack, abs=0.5)
     handle = HandleResponse.model_validate(h.conn.leases.handle("key-1", 0).body)
-    assert handle.kv_transfer_params["remote_blocks_expiry_time"] == meta.reqs_to_send["d-1"]
+    assert (handle.kv_transfer_params["remote_blocks_expiry_time"]
+            == meta.reqs_to_send["d-1"] - slack)
 
     free_before = h.free_blocks()
     reply, meta = call_during_step(h, lambda: h.conn.leases.release("key-1"))
@@ -110,6 +115,30 @@ def test_renew_reaches_worker_and_release_frees_blocks_in_one_step(tmp_path: Pat
     assert h.free_blocks() > free_before
     assert h.conn.leases.handle("key-1", 0).status == 410
     assert h.conn.status().counters["leases_released"] == 1
+
+
+def test_a_renewal_answered_at_once_outlives_a_step_in_flight_past_the_old_deadline(
+    tmp_path: Path,
+) -> None:
+    """A renewal is answered before any engine step applies it. A step scheduled before it
+    (async scheduling keeps one in flight) may run after the old deadline: the worker must not
+    free the blocks then. Its deadline is the lease's plus the slack, so it does not."""
+    h = Harness(tmp_path)
+    finish_decode_turn(h, "d-1", "key-1", kvtether_lease_ttl_s=1.3)
+    h.step()
+    in_flight = h.scheduler.schedule()  # scheduled before the renewal
+    assert h.conn.leases.renew("key-1", 60).status == 200  # no engine step in between
+    time.sleep(1.4)  # the old deadline passes while that step runs
+    assert h.worker.step(in_flight.kv_connector_metadata) == set()  # nothing freed
+    h.scheduler.update_from_output(in_flight, ModelRunnerOutput(
+        req_ids=[], req_id_to_index={}, kv_connector_output=KVConnectorOutput()))
+    meta = h.step().kv_connector_metadata  # the next step carries the renewal
+    slack = h.conn.leases.worker_slack_s
+    assert meta.reqs_to_send["d-1"] - meta.scheduler_clock == pytest.approx(60 - 1.4 + slack,
+                                                                            abs=0.5)
+    h.step()
+    assert "d-1" in h.scheduler.requests
+    assert h.conn.leases.lease("key-1").body["state"] == "active"
 
 
 def test_short_lease_expires_and_frees(tmp_path: Path) -> None:

@@ -3,13 +3,18 @@
 Plain Python (no vLLM), shared by two kinds of threads:
 
 * the **engine loop** (vLLM's scheduler, through ``kvtether.connector.nixl``) opens a lease
-  when a turn finishes, applies queued renewals once per step and hands the worker every new
-  deadline (:meth:`LeaseTable.drain`), and closes a lease when the worker reports its blocks
-  freed (:meth:`LeaseTable.on_freed`);
-* the **control channel**'s HTTP threads read snapshots, long-poll for handles, queue
-  renewals, waiting until the engine loop has applied them (a longer deadline must reach the
-  worker before the old one passes), and start releases at once (an earlier deadline is safe
-  whenever it arrives).
+  when a turn finishes, ends every lease whose deadline has passed and hands the worker every
+  new deadline once per step (:meth:`LeaseTable.drain`), and closes a lease when the worker
+  reports its blocks freed (:meth:`LeaseTable.on_freed`);
+* the **control channel**'s HTTP threads read snapshots, long-poll for handles, and renew and
+  release leases, both decided at once.
+
+The table, not the worker, owns expiry. The worker is told a lease's deadline plus
+``worker_slack_s``, and the engine loop ends the lease at its own deadline (the worker frees the
+blocks in that step). So a renewal is answered as soon as the table holds it: the later
+deadline reaches the worker at the next step, long before the worker's own, later, deadline
+could free the blocks under it, even with a step or two in flight (async scheduling). A release
+only ever ends a lease early, so it is safe whenever it arrives.
 
 All state sits behind one ``threading.Condition``; every method holds it only briefly. Deadlines
 are in the engine-core process's ``time.perf_counter()`` domain, the same clock vLLM stamps
@@ -18,11 +23,12 @@ are in the engine-core process's ``time.perf_counter()`` domain, the same clock 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvtether.protocol import (
@@ -35,7 +41,9 @@ from kvtether.protocol import (
     error_body,
 )
 
-__all__ = ["LeaseTable", "Reply", "COUNTER_NAMES"]
+__all__ = ["LeaseTable", "Opened", "Reply", "COUNTER_NAMES"]
+
+logger = logging.getLogger(__name__)
 
 COUNTER_NAMES = (
     "leases_created",
@@ -68,6 +76,15 @@ class Reply:
     body: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Opened:
+    """What :meth:`LeaseTable.open` decided: the new lease's deadline (what its handle
+    carries) and ``{request_id: deadline}`` for the worker."""
+
+    deadline: float
+    updates: dict[str, float]
+
+
 @dataclass
 class _Lease:
     key: str
@@ -83,13 +100,11 @@ class _Lease:
     ended: float | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Op:
     kind: str  # "renew" | "release"
     key: str
     ttl_s: float = 0.0
-    done: threading.Event = field(default_factory=threading.Event)
-    reply: Reply | None = None
 
 
 class LeaseTable:
@@ -100,6 +115,7 @@ class LeaseTable:
         max_retained_tokens: int | None = None,
         renew_guard_s: float = 1.0,
         op_timeout_s: float = 10.0,
+        worker_slack_s: float = 30.0,
         clock: Callable[[], float] = time.perf_counter,
         wall: Callable[[], float] = time.time,
         history: int = 256,
@@ -108,6 +124,7 @@ class LeaseTable:
         self.max_retained_tokens = max_retained_tokens
         self.renew_guard_s = renew_guard_s
         self.op_timeout_s = op_timeout_s
+        self.worker_slack_s = worker_slack_s
         self._clock, self._wall, self._history = clock, wall, history
         self._cond = threading.Condition()
         self._live: dict[str, _Lease] = {}
@@ -116,12 +133,12 @@ class LeaseTable:
         # Keys released before their turn finished (the router gave up on a stream): the lease
         # they would open is released at once. Bounded like the history.
         self._released_early: OrderedDict[str, None] = OrderedDict()
-        self._ops: list[_Op] = []
-        # Deadlines decided off the engine loop (a release), for the worker at the next step.
+        # Deadlines decided off the engine loop (a renewal, a release), for the worker at the
+        # next step.
         self._updates: dict[str, float] = {}
         self._counters: Counter[str] = Counter({name: 0 for name in COUNTER_NAMES})
-        # Called (outside the lock) when an operation waits for the engine loop: a sleeping
-        # engine must wake to apply it (kvtether.connector.scheduler).
+        # Called (outside the lock) when the worker has a new deadline to learn: a sleeping
+        # engine steps to tell it (kvtether.connector.scheduler).
         self.on_queued: Callable[[], None] | None = None
 
     # --- engine loop ----------------------------------------------------------------------
@@ -134,9 +151,9 @@ class LeaseTable:
         retained_blocks: int,
         retained_tokens: int,
         ttl_s: float,
-    ) -> dict[str, float]:
-        """Start a lease and publish its handle; returns ``{request_id: deadline}`` to send
-        to the worker (the new lease, plus any lease evicted to make room)."""
+    ) -> Opened:
+        """Start a lease and publish its handle; returns its deadline and the deadlines to
+        send to the worker (the new lease's, plus any lease evicted to make room)."""
         with self._cond:
             now = self._clock()
             self._free_key(key)
@@ -152,9 +169,9 @@ class LeaseTable:
                 self._counters["handles_published"] += 1
             else:
                 self._counters["handles_not_retained"] += 1
-            updates[request_id] = lease.deadline
+            updates[request_id] = self._worker_deadline(lease)
             self._cond.notify_all()
-            return updates
+            return Opened(lease.deadline, updates)
 
     def _make_room(self, lease: _Lease, now: float) -> dict[str, float]:
         cap = self.max_retained_tokens
@@ -185,15 +202,24 @@ class LeaseTable:
             self._cond.notify_all()
 
     def drain(self) -> dict[str, float]:
-        """Apply queued renewals; returns ``{request_id: new deadline}`` for the worker
-        (with the releases decided since the last step)."""
+        """End the leases whose deadline has passed; returns ``{request_id: new deadline}``
+        for the worker: those, and the renewals and releases decided since the last step."""
         with self._cond:
-            ops, self._ops = self._ops, []
+            now = self._clock()
+            for lease in self._active():
+                if now >= lease.deadline:
+                    logger.info("lease %s (request %s) lapsed after %d renewal(s); freeing its "
+                                "%d blocks", lease.key, lease.request_id, lease.renewals,
+                                lease.retained_blocks)
+                    self._start_release(lease, lease.deadline, LeaseState.EXPIRED)
+                    self._updates[lease.request_id] = lease.deadline
             updates, self._updates = self._updates, {}
-            for op in ops:
-                op.reply = self._apply(op, updates)
-                op.done.set()
             return updates
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a live lease (a sleeping engine wakes to end it)."""
+        with self._cond:
+            return min((x.deadline for x in self._active()), default=None)
 
     def on_freed(self, request_ids: Iterable[str]) -> None:
         """The worker freed these requests' blocks (``finished_sending``): close their leases."""
@@ -220,13 +246,14 @@ class LeaseTable:
             self._cond.notify_all()
 
     def has_pending_work(self, window_s: float = 2.0) -> bool:
-        """Operations wait for the engine loop, or a release started in the last
-        ``window_s`` is not freed yet (an engine step frees it)."""
+        """The worker has deadlines to learn, a lease's deadline has passed, or a lease that
+        ended in the last ``window_s`` is not freed yet (an engine step does each)."""
         with self._cond:
-            if self._ops or self._updates:
+            if self._updates:
                 return True
             now = self._clock()
-            return any(x.state is LeaseState.RELEASING and now - x.deadline <= window_s
+            return any(now >= x.deadline and (x.state is LeaseState.ACTIVE
+                                              or now - x.deadline <= window_s)
                        for x in self._live.values())
 
     def count(self, name: str, n: int = 1) -> None:
@@ -235,17 +262,24 @@ class LeaseTable:
 
     # --- control channel ------------------------------------------------------------------
     def renew(self, key: str, ttl_s: float) -> Reply:
-        return self._submit(_Op("renew", key, ttl_s))
+        """Extend ``key``'s lease to at least ``ttl_s`` from now, decided at once: the worker
+        learns the later deadline at the next step, well before its own deadline passes (see
+        the module docstring)."""
+        with self._cond:
+            reply = self._apply(_Op("renew", key, ttl_s), self._updates)
+        if reply.status == 200 and self.on_queued is not None:
+            self.on_queued()  # a sleeping engine steps to tell its worker
+        return reply
 
     def release(self, key: str, wait_s: float | None = None) -> Reply:
         """Start freeing ``key``'s blocks, then wait up to ``wait_s`` (default
         ``op_timeout_s``) for the worker to have freed them: 200 with the final state once
         freed, else 202 (releasing; freed within a step or two).
 
-        Decided at once, not at the next engine step as a renewal is: a release only ever ends
-        a lease, so nothing can read blocks the answer promised (the lease is ``releasing``
-        from now on: no handle, no renewal), and the worker is told at the next step. A loaded
-        engine's step can take seconds, longer than a session client waits for its DELETE.
+        Decided at once: a release only ever ends a lease, so nothing can read blocks the
+        answer promised (the lease is ``releasing`` from now on: no handle, no renewal), and
+        the worker is told at the next step. A loaded engine's step can take seconds, longer
+        than a session client waits for its DELETE.
         """
         with self._cond:
             reply = self._apply(_Op("release", key), self._updates)
@@ -301,27 +335,6 @@ class LeaseTable:
             return dict(self._counters)
 
     # --- internals (call with the lock held) -----------------------------------------------
-    def _submit(self, op: _Op) -> Reply:
-        with self._cond:
-            lease = self._live.get(op.key)
-            if lease is None or lease.state is not LeaseState.ACTIVE:
-                # Answer now: the engine loop may be idle when nothing is retained.
-                return self._apply(op, {})
-            self._ops.append(op)
-        if self.on_queued is not None:
-            self.on_queued()
-        if op.done.wait(self.op_timeout_s):
-            assert op.reply is not None
-            return op.reply
-        with self._cond:
-            if op in self._ops:
-                self._ops.remove(op)
-                return _error(503, f"the engine loop did not run within {self.op_timeout_s}s; "
-                              "retry", "engine_busy")
-        op.done.wait()
-        assert op.reply is not None
-        return op.reply
-
     def _apply(self, op: _Op, updates: dict[str, float]) -> Reply:
         lease = self._live.get(op.key)
         if lease is None:
@@ -354,7 +367,7 @@ class LeaseTable:
         lease.deadline = max(lease.deadline, now + min(op.ttl_s, self.max_lease_ttl_s))
         lease.renewals += 1
         self._counters["leases_renewed"] += 1
-        updates[lease.request_id] = lease.deadline
+        updates[lease.request_id] = self._worker_deadline(lease)
         return Reply(200, self._info(lease).model_dump(mode="json"))
 
     def _free_key(self, key: str) -> None:
@@ -368,6 +381,13 @@ class LeaseTable:
 
     def _start_release(self, lease: _Lease, now: float, end_as: LeaseState) -> None:
         lease.state, lease.end_as, lease.deadline = LeaseState.RELEASING, end_as, now
+
+    def _worker_deadline(self, lease: _Lease) -> float:
+        """When the worker would free ``lease``'s blocks on its own: a live lease's deadline
+        plus the slack (the engine loop ends it at its deadline); an ended one's, at once."""
+        if lease.state is LeaseState.ACTIVE:
+            return lease.deadline + self.worker_slack_s
+        return lease.deadline
 
     def _active(self) -> list[_Lease]:
         return [x for x in self._live.values() if x.state is LeaseState.ACTIVE]

@@ -72,13 +72,18 @@ class ConnectorSettings(BaseModel):
     )
     renew_guard_s: float = Field(
         default=1.0, ge=0, allow_inf_nan=False, alias="kvtether_renew_guard_s",
-        description="Refuse renewing a lease with less left than this: the worker may be "
-        "freeing it already (matters with async scheduling, where a step overlaps).",
+        description="Refuse renewing a lease with less left than this (410 expiring): the "
+        "engine loop ends a lease at its deadline, and a renewal this late races that.",
     )
     op_timeout_s: float = Field(
         default=10.0, gt=0, allow_inf_nan=False, alias="kvtether_op_timeout_s",
-        description="How long a renewal waits for the engine loop to apply it, and the longest "
-        "a release waits for the worker to free the blocks.",
+        description="The longest a release waits for the worker to free the blocks.",
+    )
+    worker_slack_s: float = Field(
+        default=30.0, gt=0, allow_inf_nan=False, alias="kvtether_worker_slack_s",
+        description="The worker is told a lease's deadline plus this; the engine loop ends the "
+        "lease at its own deadline. A renewal is answered at once and reaches the worker at "
+        "the next step: this covers the steps in flight (async scheduling) meanwhile.",
     )
     require_block_hashes: bool = Field(
         default=False, alias="kvtether_require_block_hashes",

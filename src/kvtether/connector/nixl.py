@@ -24,15 +24,19 @@ credits its heartbeats when it checks prefill's deadline (below). The flow on de
   replaces that deadline with the lease's (``kvtether_lease_ttl_s`` from the request's
   ``kv_transfer_params``, else from extra_config), adds the prefix hashes to the handle, and
   publishes it under ``kvtether_handle_key`` (else under the request id).
-* ``build_connector_meta`` (once per engine step) first drains the control channel's queued
-  renewals and releases into ``_reqs_need_send``; upstream ships that dict to the worker as
-  ``reqs_to_send`` with ``scheduler_clock``, and the worker *overwrites* its deadline for every
-  request it still holds (rebased onto its clock; unlike the ``HB:`` heartbeat path, which
-  only extends with ``max``). A renewal is a later deadline; a release is ``now``, so the
-  worker's reaper frees the blocks in the same step.
-* The worker reports freed blocks as ``finished_sending`` (P read the handle, the deadline
-  passed, or a release), vLLM frees them, and ``update_connector_output`` closes the lease as
-  consumed, expired or released.
+* The worker is told a lease's deadline plus ``kvtether_worker_slack_s``: the lease table, not
+  the worker, owns expiry, so the control channel answers a renewal at once
+  (``kvtether.connector._leases``).
+* ``build_connector_meta`` (once per engine step) first drains the lease table into
+  ``_reqs_need_send``: renewals and releases since the last step, and the leases whose deadline
+  has passed (ended now). Upstream ships that dict to the worker as ``reqs_to_send`` with
+  ``scheduler_clock``, and the worker *overwrites* its deadline for every request it still
+  holds (rebased onto its clock; unlike the ``HB:`` heartbeat path, which only extends with
+  ``max``). A renewal is a later deadline; an ended lease's is at or before the scheduler's
+  clock, so the worker's reaper frees the blocks in the same step.
+* The worker reports freed blocks as ``finished_sending`` (P read the handle, a lease ended),
+  vLLM frees them, and ``update_connector_output`` closes the lease as consumed, expired,
+  released or evicted.
 
 On prefill (P), ``get_num_new_matched_tokens`` checks a decode handle's block hashes against
 the prompt and cuts the handle to the matching whole-block prefix before upstream code reads
@@ -116,15 +120,18 @@ logger = logging.getLogger(__name__)
 _PAST_DUE_STEP_S = 2.0
 
 # Upstream's worker logs every send-side deadline that passes as a WARNING, "Releasing expired
-# KV blocks ...", including the deadline kvtether sets to "now" to release or evict a lease.
+# KV blocks ...", including the deadline kvtether sets to end a lease (released, evicted, or
+# lapsed, which the lease table logs itself).
 _UPSTREAM_WORKER_LOGGER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
 _EXPIRED_MESSAGE = "Releasing expired KV blocks"
 
 
 class _EndedByKVTether(logging.Filter):
-    """Drops upstream's expiry warning for requests whose lease kvtether ended (a release or
-    an eviction reached the worker as a deadline at or before the scheduler's clock); logs
-    them at DEBUG instead. A lease that lapsed on its own keeps upstream's warning."""
+    """Drops upstream's expiry warning for requests whose lease kvtether ended (a release, an
+    eviction or a lapse reached the worker as a deadline at or before the scheduler's clock);
+    logs them at DEBUG instead. Blocks the worker frees at its own deadline (a lease's plus
+    the slack: the engine loop did not end it in time), and prefill's hold of KV that no
+    decode read, keep upstream's warning."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -168,6 +175,7 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
             max_retained_tokens=self.settings.max_retained_tokens,
             renew_guard_s=self.settings.renew_guard_s,
             op_timeout_s=self.settings.op_timeout_s,
+            worker_slack_s=self.settings.worker_slack_s,
         )
         self._pulls: dict[str, PullRecord] = {}
         # Local-prefill turns (decode computes the new tokens on the KV it retains): request id
@@ -255,14 +263,17 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
 
     # --- sleeping engine (kvtether.connector.scheduler.IdleSleepScheduler) -----------------
     def attach_waker(self, waker: EngineWaker) -> None:
-        """Lease operations queued by the control channel wake the sleeping engine."""
+        """Renewals and releases from the control channel wake the sleeping engine (its
+        worker learns the new deadline at the next step)."""
         self._waker = waker
         self.leases.on_queued = lambda: waker.request_step("control")
 
     def next_deadline(self) -> float | None:
-        """Earliest deadline of blocks held for a remote reader; ``None`` if none is held."""
+        """Earliest deadline of blocks held for a remote reader (a lease's own, which the
+        engine loop ends; the worker's otherwise); ``None`` if none is held."""
+        lease_deadline = self.leases.next_deadline()
         if not self._held_deadlines:
-            return None
+            return lease_deadline
         now = time.perf_counter()
         stale = [r for r, d in self._held_deadlines.items() if now - d > _PAST_DUE_STEP_S]
         for request_id in stale:
@@ -270,11 +281,14 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
             logger.debug("request %s: held past its deadline; not waking for it again",
                          request_id)
             del self._held_deadlines[request_id]
-        return min(self._held_deadlines.values(), default=None)
+        held = min(self._held_deadlines.values(), default=None)
+        if lease_deadline is None or held is None:
+            return held if lease_deadline is None else lease_deadline
+        return min(held, lease_deadline)
 
     def needs_step(self) -> bool:
-        """Work only an engine step can do: queued lease operations, releases under way,
-        deadlines that just passed."""
+        """Work only an engine step can do: deadlines the worker has yet to learn, leases
+        ended or due to end, deadlines that just passed."""
         if self.leases.has_pending_work():
             return True
         now = time.perf_counter()
@@ -407,14 +421,15 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
             # of the handle before anyone reads it.
             handle[KV_PARAM_PROMPT_TOKEN_IDS] = list(request.prompt_token_ids or [])
             handle[KV_PARAM_OUTPUT_TOKEN_IDS] = list(request.output_token_ids)
-        updates = self.leases.open(
+        opened = self.leases.open(
             key, request.request_id, handle,
             retained_blocks=sum(len(group) for group in handle["remote_block_ids"]),
             retained_tokens=tokens,
             ttl_s=self._initial_ttl_s(params),
         )
-        self._reqs_need_send.update(updates)
-        handle["remote_blocks_expiry_time"] = updates[request.request_id]
+        self._reqs_need_send.update(opened.updates)
+        # The lease's own deadline (the worker's is later, see _leases): prefill trusts it.
+        handle["remote_blocks_expiry_time"] = opened.deadline
         return handle
 
     def _initial_ttl_s(self, params: dict[str, Any]) -> float:
@@ -432,7 +447,7 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
         return ttl
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
-        # Renewed deadlines and releases ride upstream's reqs_to_send to the worker.
+        # Renewed deadlines and ended leases ride upstream's reqs_to_send to the worker.
         self._reqs_need_send.update(self.leases.drain())
         self._held_deadlines.update(self._reqs_need_send)
         return super().build_connector_meta(scheduler_output)

@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["Retention", "RenewOutcome"]
 
 # A lease closer than this to its end is not renewed at hand-off: D refuses a renewal within
-# its renew guard (1 s by default) of the deadline, and the renewal waits for one of decode's
-# steps first (up to ~1 s under load), so it would mostly come back refused, late.
+# its renew guard (1 s by default) of the deadline (its engine loop ends the lease then), and
+# the router sees that deadline through its own clock and one HTTP round trip.
 LATE_RENEWAL_S = 2.0
 
 
