@@ -271,9 +271,6 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
     def next_deadline(self) -> float | None:
         """Earliest deadline of blocks held for a remote reader (a lease's own, which the
         engine loop ends; the worker's otherwise); ``None`` if none is held."""
-        lease_deadline = self.leases.next_deadline()
-        if not self._held_deadlines:
-            return lease_deadline
         now = time.perf_counter()
         stale = [r for r, d in self._held_deadlines.items() if now - d > _PAST_DUE_STEP_S]
         for request_id in stale:
@@ -281,10 +278,8 @@ class KVTetherScheduler(NixlPullConnectorScheduler):
             logger.debug("request %s: held past its deadline; not waking for it again",
                          request_id)
             del self._held_deadlines[request_id]
-        held = min(self._held_deadlines.values(), default=None)
-        if lease_deadline is None or held is None:
-            return held if lease_deadline is None else lease_deadline
-        return min(held, lease_deadline)
+        deadlines = [*self._held_deadlines.values(), self.leases.next_deadline()]
+        return min((d for d in deadlines if d is not None), default=None)
 
     def needs_step(self) -> bool:
         """Work only an engine step can do: deadlines the worker has yet to learn, leases

@@ -22,8 +22,9 @@ from kvtether.protocol._wire import PROTOCOL_VERSION
 #   POST   /kvtether/v1/leases/{key}/renew      LeaseRenewRequest -> LeaseInfo
 #   DELETE /kvtether/v1/leases/{key}?wait_s=0   LeaseInfo: 200 (state "released") once
 #                                               freed, 202 while being freed (after at most
-#                                               wait_s; default 10 s). Started at once, not
-#                                               at the next engine step as a renewal is
+#                                               wait_s; default 10 s). Started at once, as
+#                                               a renewal is; the worker learns both at the
+#                                               next engine step
 #   GET    /kvtether/v1/handles/{key}?wait_s=5  HandleResponse (long-poll until published)
 #   POST   /kvtether/v1/prefix-cache            PrefixCacheQuery -> PrefixCacheAnswer: how many
 #                                               leading tokens the engine's prefix cache holds
