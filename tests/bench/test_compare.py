@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvtether.bench import compare, report
-from kvtether.bench.metrics import TurnResult, classify, mark_divergence, summarize
+from kvtether.bench.metrics import (
+    TurnResult, classify, mark_divergence, same_turn_ratios, summarize,
+)
 from kvtether.bench.scenario import ScenarioError, generate_scenario, load_scenario
 
 
@@ -160,6 +162,31 @@ def test_targets_and_markdown_report_what_was_measured(tmp_path: Path) -> None:
     paths += report.write_plots(result, tmp_path)  # type: ignore[arg-type]
     assert {p.name for p in paths} == {"results.json", "results.md", "reuse_by_turn.png",
                                        "ttft_cdf.png", "retained_kv.png"}
+
+
+def test_each_turn_against_the_reference_s_same_turn_apart_from_the_spread() -> None:
+    def turn(session: str, n: int, ttft: float | None, stream: bool = True) -> dict:
+        return {"session": session, "turn": n, "stream": stream, "ttft_s": ttft}
+
+    # s1 turn 3 is the long addition: slow on both, so its ratio is not the tail.
+    base = [turn("s1", 1, 9.0), turn("s1", 2, 0.5), turn("s1", 3, 2.0), turn("s2", 2, 0.4),
+            turn("s2", 3, 0.4, stream=False)]
+    mine = [turn("s1", 1, 1.0), turn("s1", 2, 0.4), turn("s1", 3, 2.2), turn("s2", 2, 0.4),
+            turn("s2", 3, None, stream=False), turn("s3", 2, 5.0)]
+    same = same_turn_ratios(mine, base)
+    assert same["turns"] == 3  # turn 1, unstreamed and unmatched turns are left out
+    assert same["p50"] == 1.0 and same["p99"] == 1.098
+    assert same_turn_ratios([], base) == {"turns": 0, "p50": None, "p99": None}
+
+    base_m = summarize("x", [], [], wall_s=1, drain_s=0, compress=16, not_run=0).as_dict()
+    summary = {"colocated": {**base_m, "ttft_p50_s": 0.45, "ttft_p99_s": 1.98},
+               "kvtether": {**base_m, "ttft_p50_s": 0.4, "ttft_p99_s": 2.18}}
+    result = _result(summary)
+    result["strategies"] = {"colocated": {"turns": base, "kv": []},
+                            "kvtether": {"turns": mine, "kv": []}}
+    md = report.render_markdown(result)  # type: ignore[arg-type]
+    assert "| colocated | 4.40x | - |" in md
+    assert "| kvtether | 5.45x | 1.00x / 1.10x (3) |" in md
 
 
 def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -74,6 +74,27 @@ def _q(values: list[float], q: float) -> float | None:
     return None if not values else round(percentile(values, q), 4)
 
 
+def streamed_ttfts(turns: list[dict[str, Any]]) -> dict[tuple[str, int], float]:
+    """The TTFT of each streamed turn 2+ (the turns the TTFT figures cover), by (session,
+    turn), from a results file's turn records."""
+    return {(t["session"], t["turn"]): t["ttft_s"] for t in turns
+            if t["turn"] > 1 and t["stream"] and t["ttft_s"]}
+
+
+def same_turn_ratios(turns: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each streamed turn 2+'s TTFT in ``turns`` over the same turn's (session and turn) in
+    ``base``: their p50 and p99, and how many turns had a TTFT in both.
+
+    A TTFT p99 over its p50 mixes the spread of the scenario's turn sizes (a long addition
+    takes several times a median one, wherever it runs) with the waiting a deployment adds;
+    the same turn's ratio keeps the second only."""
+    mine, theirs = streamed_ttfts(turns), streamed_ttfts(base)
+    ratios = [ttft / theirs[key] for key, ttft in mine.items() if key in theirs]
+    return {"turns": len(ratios),
+            "p50": round(percentile(ratios, 50), 3) if ratios else None,
+            "p99": round(percentile(ratios, 99), 3) if ratios else None}
+
+
 @dataclass
 class StrategyMetrics:
     strategy: str

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvtether.bench.metrics import same_turn_ratios
+
 __all__ = ["TARGETS", "render_markdown", "render_sweep_markdown", "targets", "write_plots",
            "write_results", "write_sweep", "write_sweep_plot"]
 
@@ -114,6 +116,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         for r in rows:
             met = "-" if r["met"] is None else ("yes" if r["met"] else "**no**")
             lines.append(f"| {r['target']} | {r['measured']} | {r['goal']} | {met} |")
+    lines += _same_turn_lines(result)
     lines += [
         "",
         "TTFT: streamed turns 2+ (time to the first token through the SDK). Eligible: turn 2+ "
@@ -126,6 +129,29 @@ def render_markdown(result: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _same_turn_lines(result: dict[str, Any]) -> list[str]:
+    """Each strategy's TTFT p99 over its p50, beside its TTFTs over the reference strategy's
+    for the same turns: the spread of turn sizes apart from what a deployment adds."""
+    reference = result["run"].get("reference")
+    runs = result.get("strategies") or {}
+    if reference not in runs or len(runs) < 2:
+        return []
+    lines = ["", f"| strategy | TTFT p99 / p50 | TTFT / {reference}'s same turn: p50 / p99 "
+             "(turns) |", "|---|---|---|"]
+    for name, m in result["summary"].items():
+        p50, p99 = m["ttft_p50_s"], m["ttft_p99_s"]
+        spread = f"{p99 / p50:.2f}x" if p50 and p99 is not None else "-"
+        same = same_turn_ratios(runs[name]["turns"], runs[reference]["turns"])
+        ratios = ("-" if name == reference or same["p50"] is None else
+                  f"{same['p50']:.2f}x / {same['p99']:.2f}x ({same['turns']})")
+        lines.append(f"| {name} | {spread} | {ratios} |")
+    lines += ["", f"TTFT p99 / p50 holds the spread of the scenario's turn sizes (with few "
+              f"streamed turns the p99 is about the largest addition's TTFT, whatever serves "
+              f"it); each turn's TTFT over {reference}'s for the same turn (session and turn) "
+              "holds only what the deployment adds."]
+    return lines
 
 
 def _write(result: dict[str, Any], out: Path, stem: str,

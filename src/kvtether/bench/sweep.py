@@ -24,14 +24,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtether.bench import report
-from kvtether.bench._measure import percentile
 from kvtether.bench.compare import (
     StartStrategy,
     replay_scenario,
     run_meta,
     strategy_options,
 )
-from kvtether.bench.metrics import mark_divergence, summarize
+from kvtether.bench.metrics import mark_divergence, same_turn_ratios, summarize
 from kvtether.bench.scenario import Scenario
 from kvtether.bench.strategies import STRATEGIES, start_strategy
 
@@ -130,35 +129,20 @@ def ttft_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def ttft_vs_alone(detail: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per level above 1 and strategy: each streamed turn 2+'s TTFT over the same turn's
-    (session and turn number) at level 1 on the same strategy, p50 and p99 of those ratios,
-    and how many turns had a TTFT at both. ``[]`` when level 1 was not run.
-
-    A level's TTFT p99 over its p50 mixes two things: the turns' own sizes (at level 1 a
-    scenario's longest addition takes several times its median turn) and the waiting the level
-    adds. The ratio to the same turn alone is the second only.
-    """
+    """Per level above 1 and strategy: :func:`~kvtether.bench.metrics.same_turn_ratios`
+    against the same strategy at level 1 (the waiting the level adds, apart from the spread
+    of turn sizes). ``[]`` when level 1 was not run."""
     alone_by_name = detail.get("1")
     if not alone_by_name:
         return []
-
-    def ttfts(turns: list[dict[str, Any]]) -> dict[tuple[str, int], float]:
-        return {(t["session"], t["turn"]): t["ttft_s"] for t in turns
-                if t["turn"] > 1 and t["stream"] and t["ttft_s"]}
-
     out: list[dict[str, Any]] = []
     for level, by_name in detail.items():
         if level == "1":
             continue
         for name, at_level in by_name.items():
-            alone = ttfts(alone_by_name.get(name, {}).get("turns", []))
-            ratios = [ttft / alone[key] for key, ttft in ttfts(at_level["turns"]).items()
-                      if key in alone]
-            out.append({
-                "concurrency": int(level), "strategy": name, "turns": len(ratios),
-                "p50": round(percentile(ratios, 50), 3) if ratios else None,
-                "p99": round(percentile(ratios, 99), 3) if ratios else None,
-            })
+            alone = alone_by_name.get(name, {}).get("turns", [])
+            out.append({"concurrency": int(level), "strategy": name,
+                        **same_turn_ratios(at_level["turns"], alone)})
     return out
 
 
