@@ -64,8 +64,9 @@ async def test_heartbeat_unknown_404(h: Harness) -> None:
 @pytest.mark.parametrize("body", [
     b"{not json", b"[1]", b'{"expected_duration_s": -5}', b'{"phase": "napping"}',
     b'{"lease_extension_s": "long"}', b'{"unknown": 1}', b'{"tool_name": "' + b"x" * 300 + b'"}',
+    b"\x80", b'{"lease_extension_s": NaN}',
 ], ids=["malformed", "not-object", "negative-duration", "bad-phase", "bad-extension",
-        "unknown-field", "tool-name-too-long"])
+        "unknown-field", "tool-name-too-long", "not-utf8", "nan"])
 async def test_heartbeat_bad_body_400(h: Harness, body: bytes) -> None:
     await two_turns(h)
     r = await h.client.post("/v1/sessions/sess/heartbeat", content=body,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -10,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 from kvtether.protocol import error_body
 
 __all__ = ["RouterHTTPError", "UpstreamError", "anthropic_error_body", "error_response",
-           "is_anthropic_path"]
+           "is_anthropic_path", "parse_json_body"]
 
 _TYPES = {
     400: "invalid_request_error",
@@ -38,6 +39,20 @@ class RouterHTTPError(Exception):
         self.message = message
         self.param = param
         self.code = code
+
+
+def _no_constant(name: str) -> Any:
+    # Python's json accepts NaN / Infinity; JSON (and the request sent on to vLLM) does not.
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json_body(raw: bytes, what: str = "request body") -> Any:
+    """A client's JSON body, or a 400 that says why not: not UTF-8, not JSON, or a number
+    JSON has no spelling for (NaN, Infinity)."""
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise RouterHTTPError(400, f"{what} is not valid JSON: {exc}") from None
 
 
 class UpstreamError(RouterHTTPError):

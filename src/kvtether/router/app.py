@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -29,6 +28,7 @@ from kvtether.router._errors import (
     UpstreamError,
     error_response,
     is_anthropic_path,
+    parse_json_body,
 )
 from kvtether.router.apis import API_PATHS, api_for
 from kvtether.router.access import AccessMiddleware, KeyRing, tenant_of
@@ -313,17 +313,8 @@ def _make_store(settings: RouterSettings, on_drop, clock: Clock,  # noqa: ANN001
     )
 
 
-def _no_constant(name: str) -> Any:
-    # Python's json accepts NaN / Infinity; JSON (and the request sent on to vLLM) does not.
-    raise ValueError(f"{name} is not a JSON number")
-
-
 async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RouterHTTPError(400, f"request body is not valid JSON: {exc}") from None
+    body = parse_json_body(await request.body())
     if not isinstance(body, dict):
         raise RouterHTTPError(400, "request body must be a JSON object")
     return body

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Awaitable
@@ -17,7 +16,7 @@ from starlette.routing import Route
 from kvtether import protocol as p
 from kvtether._validation import first_field_error
 from kvtether.router._deps import RouterDeps
-from kvtether.router._errors import RouterHTTPError
+from kvtether.router._errors import RouterHTTPError, parse_json_body
 from kvtether.router.access import tenant_of
 from kvtether.router.branches import branch_ids, is_branch_id
 from kvtether.router.conversations import Conversation, HeldConversation, StoreError
@@ -32,6 +31,16 @@ T = TypeVar("T")
 
 def _unknown(cid: str) -> RouterHTTPError:
     return RouterHTTPError(404, f"unknown session {cid!r}: no turn has used this id")
+
+
+def _heartbeat_request(raw: bytes) -> p.HeartbeatRequest:
+    """A heartbeat's body (empty: every field's default), or a 400 that says what is wrong."""
+    try:
+        return p.HeartbeatRequest.model_validate(
+            parse_json_body(raw, "heartbeat body") if raw.strip() else {})
+    except ValidationError as exc:
+        err = first_field_error(exc)
+        raise RouterHTTPError(400, f"invalid heartbeat: {err}", param=err.loc) from None
 
 
 class SessionAPI:
@@ -135,20 +144,19 @@ class SessionAPI:
             if await self._store(self.store.read(cid, tenant_of(request))) is None:
                 raise _unknown(cid)
             self._require_leases(cid, "renew the lease of")
-        raw = await request.body()
+        hb = _heartbeat_request(await request.body())  # bad input: 400, nothing held yet
         renewed: Response | None = None
         for bid in await self._branches(request):  # every branch's lease, best effort
             branch = await self._hold(request, cid=bid)
             try:
-                renewed = await self._beat(branch, raw, t0)
-            except RouterHTTPError as exc:
-                if exc.status == 400:
-                    raise
+                renewed = await self._beat(branch, hb, t0)
+            except RouterHTTPError:
+                pass
             finally:
                 await self._store(branch.commit())
         held = await self._hold(request)
         try:
-            return await self._beat(held, raw, t0)
+            return await self._beat(held, hb, t0)
         except RouterHTTPError as exc:
             if exc.status == 410 and renewed is not None:
                 return renewed  # the main branch holds nothing, another branch does
@@ -156,16 +164,8 @@ class SessionAPI:
         finally:
             await self._store(held.commit())
 
-    async def _beat(self, held: HeldConversation, raw: bytes, t0: float) -> Response:
+    async def _beat(self, held: HeldConversation, hb: p.HeartbeatRequest, t0: float) -> Response:
         conv = held.conv
-        try:
-            hb = p.HeartbeatRequest.model_validate(json.loads(raw) if raw.strip() else {})
-        except json.JSONDecodeError as exc:
-            raise RouterHTTPError(400, f"heartbeat body is not valid JSON: {exc}") from None
-        except ValidationError as exc:
-            err = first_field_error(exc)
-            raise RouterHTTPError(400, f"invalid heartbeat: {err}", param=err.loc) from None
-
         now = self.clock.now_unix_s()
         r = conv.retained
         if held.busy and (r is None or not held.writable):
