@@ -143,7 +143,8 @@ def _same_turn_lines(result: dict[str, Any]) -> list[str]:
     for name, m in result["summary"].items():
         p50, p99 = m["ttft_p50_s"], m["ttft_p99_s"]
         spread = f"{p99 / p50:.2f}x" if p50 and p99 is not None else "-"
-        same = same_turn_ratios(runs[name]["turns"], runs[reference]["turns"])
+        same = same_turn_ratios(runs.get(name, {}).get("turns", []),
+                                runs[reference].get("turns", []))
         ratios = ("-" if name == reference or same["p50"] is None else
                   f"{same['p50']:.2f}x / {same['p99']:.2f}x ({same['turns']})")
         lines.append(f"| {name} | {spread} | {ratios} |")
