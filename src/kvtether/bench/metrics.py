@@ -24,7 +24,7 @@ from typing import Any
 from kvtether.bench._measure import percentile
 from kvtether.protocol import reusable_prefix_tokens, reuse_verdict
 
-__all__ = ["StrategyMetrics", "TurnResult", "classify", "summarize"]
+__all__ = ["StrategyMetrics", "TurnResult", "classify", "same_turn_ratios", "summarize"]
 
 
 @dataclass

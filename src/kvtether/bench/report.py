@@ -131,6 +131,19 @@ def render_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _spread(m: dict[str, Any]) -> str:
+    """A summary row's TTFT p99 over its p50."""
+    p50, p99 = m["ttft_p50_s"], m["ttft_p99_s"]
+    return f"{p99 / p50:.2f}x" if p50 and p99 is not None else "-"
+
+
+def _ratios(same: dict[str, Any] | None) -> str:
+    """A :func:`~kvtether.bench.metrics.same_turn_ratios` cell: p50 / p99 (turns)."""
+    if same is None or same["p50"] is None:
+        return "-"
+    return f"{same['p50']:.2f}x / {same['p99']:.2f}x ({same['turns']})"
+
+
 def _same_turn_lines(result: dict[str, Any]) -> list[str]:
     """Each strategy's TTFT p99 over its p50, beside its TTFTs over the reference strategy's
     for the same turns: the spread of turn sizes apart from what a deployment adds."""
@@ -141,13 +154,9 @@ def _same_turn_lines(result: dict[str, Any]) -> list[str]:
     lines = ["", f"| strategy | TTFT p99 / p50 | TTFT / {reference}'s same turn: p50 / p99 "
              "(turns) |", "|---|---|---|"]
     for name, m in result["summary"].items():
-        p50, p99 = m["ttft_p50_s"], m["ttft_p99_s"]
-        spread = f"{p99 / p50:.2f}x" if p50 and p99 is not None else "-"
-        same = same_turn_ratios(runs.get(name, {}).get("turns", []),
-                                runs[reference].get("turns", []))
-        ratios = ("-" if name == reference or same["p50"] is None else
-                  f"{same['p50']:.2f}x / {same['p99']:.2f}x ({same['turns']})")
-        lines.append(f"| {name} | {spread} | {ratios} |")
+        same = None if name == reference else same_turn_ratios(
+            runs.get(name, {}).get("turns", []), runs[reference].get("turns", []))
+        lines.append(f"| {name} | {_spread(m)} | {_ratios(same)} |")
     lines += ["", f"TTFT p99 / p50 holds the spread of the scenario's turn sizes (with few "
               f"streamed turns the p99 is about the largest addition's TTFT, whatever serves "
               f"it); each turn's TTFT over {reference}'s for the same turn (session and turn) "
@@ -307,12 +316,9 @@ def _spread_lines(result: dict[str, Any]) -> list[str]:
     lines = ["", "| concurrency | strategy | TTFT p99 / p50 | TTFT / same turn at level 1: "
              "p50 / p99 (turns) |", "|---|---|---|---|"]
     for row in result["rows"]:
-        p50, p99 = row["ttft_p50_s"], row["ttft_p99_s"]
-        spread = f"{p99 / p50:.2f}x" if p50 and p99 is not None else "-"
         alone = vs_alone.get((row["concurrency"], row["strategy"]))
-        ratios = ("-" if alone is None or alone["p50"] is None else
-                  f"{alone['p50']:.2f}x / {alone['p99']:.2f}x ({alone['turns']})")
-        lines.append(f"| {row['concurrency']} | {row['strategy']} | {spread} | {ratios} |")
+        lines.append(f"| {row['concurrency']} | {row['strategy']} | {_spread(row)} | "
+                     f"{_ratios(alone)} |")
     lines += ["", "The same turn at level 1: each streamed turn 2+'s TTFT divided by the same "
               "turn's (session, turn) at level 1 on the same strategy, when level 1 ran; the "
               "waiting a level adds, apart from the spread of turn sizes the scenario has alone "
