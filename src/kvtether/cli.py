@@ -48,7 +48,8 @@ class _Exit(Exception):
 
 # --- kvtether model ---------------------------------------------------------------------------
 class ModelPrepare(BaseModel):
-    """Write an offline model (tiny: seeded random Llama; smol: SmolLM2-135M) and print its path."""
+    """Write an offline model (tiny, agents: seeded random Llamas; smol: SmolLM2-135M) and print
+    its path."""
 
     name: CliPositionalArg[ModelName] = Field(description="which model")
     out: Path | None = Field(default=None, description="directory (default: the model cache)")

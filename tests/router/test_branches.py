@@ -71,10 +71,11 @@ async def test_an_early_divergence_opens_a_branch_and_keeps_the_old_kv(store) ->
         main = h.conversation("retry", system=SUPERVISOR)
         for i in range(2):
             assert (await main.say(f"step {i} " * 5)).status == 200
-        # A different system prompt under the same id (a subagent, an edited first message).
+        # A different system prompt under the same id (a subagent, a harness's side request):
+        # it shares nothing with the main sequence, so its branch starts afresh.
         other = h.conversation("retry", system=WORKER.format(n=9))
         t = await other.say("a side task")
-        assert t.outcome == "miss:prefix_break" and t.reused == 0
+        assert t.outcome == "miss:first_turn" and t.reused == 0
         # The main sequence was not consumed: its next turn still reads all of it.
         t = await main.say("step 2")
         assert t.outcome == "fired"
@@ -114,3 +115,20 @@ async def test_heartbeat_renews_every_branch() -> None:
         r = await h.client.post("/v1/sessions/hb/heartbeat", json={"lease_extension_s": 300})
         assert r.status_code == 200
         assert len({key for key, _ in h.d.renewals}) == 2  # both branches' leases
+
+
+async def test_a_side_request_first_stays_on_its_own_branch(store) -> None:
+    # OpenCode's first request in a session is a title request (its own system prompt, no
+    # tools) under the agent's session id; the agent's turns follow.
+    async with router(*store) as h:
+        title = h.conversation("oc-1", system="Generate a short title for this conversation.")
+        assert (await title.say("fix the failing test")).outcome == "miss:first_turn"
+        agent = h.conversation("oc-1", system=SUPERVISOR)
+        outcomes = [(await agent.say(f"step {i} " * 8)).outcome for i in range(3)]
+        assert outcomes == ["miss:first_turn", "fired", "fired"]
+        status = (await h.client.get("/v1/sessions/oc-1")).json()
+        assert [t["outcome"] for t in status["turns"]] == ["miss:first_turn"]
+        (branch,) = status["branches"]
+        assert [t["outcome"] for t in branch["turns"]] == outcomes
+        assert status["main_branch"] == branch["conversation_id"]
+        h.assert_kv_correct()

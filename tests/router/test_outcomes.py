@@ -80,14 +80,27 @@ async def test_a_short_conversation_is_not_eligible() -> None:
         assert await h.metric("kvtether_reuse_eligible_total") == 0
 
 
-async def test_an_early_prefix_break_is_not_eligible(h: Harness) -> None:
-    a = h.conversation("early")
+async def test_an_early_prefix_break_is_not_eligible() -> None:
+    # One sequence per conversation: the rewritten history replaces the old one.
+    async with make_router(max_branches=1) as h:
+        a = h.conversation("early")
+        await a.say("one " * 40)
+        a.messages[0]["content"] = "A different system prompt from the very first token."
+        t = await a.say("two")
+        assert t.outcome == "miss:prefix_break"
+        assert reusable(t) < THRESHOLD
+        assert t.headers[p.HEADER_SALVAGED_TOKENS] == "0"
+
+
+async def test_a_prompt_that_shares_nothing_is_a_first_turn(h: Harness) -> None:
+    # Under the same id, a prompt that shares less than one block with every sequence of the
+    # conversation (a harness's side request, a history rewritten from its first token) starts
+    # a sequence of its own: nothing in the conversation was reusable.
+    a = h.conversation("nothing")
     await a.say("one " * 40)
     a.messages[0]["content"] = "A different system prompt from the very first token."
     t = await a.say("two")
-    assert t.outcome == "miss:prefix_break"
-    assert reusable(t) < THRESHOLD
-    assert t.headers[p.HEADER_SALVAGED_TOKENS] == "0"
+    assert t.outcome == "miss:first_turn" and t.reused == 0
 
 
 async def test_a_salvaged_prefix_break_fired_and_says_what_it_salvaged(h: Harness) -> None:

@@ -188,6 +188,7 @@ class BranchStatus(BaseModel):
     lease_state: Literal["active", "none", "expired", "released", "evicted"]
     turn_count: int = 0
     fired_turns: int = 0
+    turns: list[TurnRecord] = Field(default_factory=list)  # its most recent turns
 
 
 class SessionStatus(BaseModel):
@@ -209,5 +210,10 @@ class SessionStatus(BaseModel):
     prompt_tokens_total: int = 0
     reused_tokens_total: int = 0
     # The conversation's other live sequences (a subagent or a parallel branch sharing its
-    # id, a retry that diverged early); this body's own fields are branch 0's.
+    # id, a retry that diverged early, a harness's side request); this body's own fields are
+    # branch 0's.
     branches: list[BranchStatus] = Field(default_factory=list)
+    # The branch carrying the conversation (the one with the most turns; the most recently
+    # active on a tie): this id, or one of ``branches``. A side request (OpenCode's title
+    # request, a summariser) is a branch of its own with one turn.
+    main_branch: str | None = None

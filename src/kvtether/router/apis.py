@@ -44,7 +44,8 @@ class Api:
     not_for_prefill: tuple[str, ...] = ()
 
     def check(self, body: dict[str, Any]) -> None:
-        """Refuse what the router cannot run or vLLM would refuse only after the prefill leg."""
+        """Refuse what the router cannot run or vLLM would refuse only after the prefill leg
+        (which runs with ``max_tokens`` 1): everything else is vLLM's to accept or refuse."""
         _CHECKS[self.name](body)
 
     def prefill_body(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -85,37 +86,14 @@ def _check_responses(body: dict[str, Any]) -> None:
                 code="unsupported_parameter",
             )
     _check_max(body, "max_output_tokens", required=False)
-    items = body.get("input")
-    if isinstance(items, str):
-        if not items:
-            raise RouterHTTPError(400, "'input' must not be empty", param="input")
-        return
-    if not isinstance(items, list) or not items:
-        raise RouterHTTPError(400, "'input' must be a non-empty string or a non-empty list of "
-                                   "input items", param="input")
-    for i, item in enumerate(items):
-        if not isinstance(item, dict):
-            raise RouterHTTPError(400, f"'input[{i}]' must be an object (an input item)",
-                                  param=f"input[{i}]")
+    # The input items are vLLM's to validate (on the prefill leg): routing needs none of them.
 
 
 def _check_messages(body: dict[str, Any]) -> None:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise RouterHTTPError(400, "messages: must be a non-empty list", param="messages")
-    for i, msg in enumerate(msgs):
-        if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
-            raise RouterHTTPError(400, f"messages.{i}: must be an object whose 'role' is "
-                                       "'user' or 'assistant'", param=f"messages.{i}")
-        content = msg.get("content")
-        if not isinstance(content, (str, list)):
-            raise RouterHTTPError(400, f"messages.{i}.content: must be a string or a list of "
-                                       "content blocks", param=f"messages.{i}.content")
-        if isinstance(content, list) and not all(
-            isinstance(b, dict) and isinstance(b.get("type"), str) for b in content
-        ):
-            raise RouterHTTPError(400, f"messages.{i}.content: every content block must be an "
-                                       "object with a 'type'", param=f"messages.{i}.content")
+    # Routing needs nothing of the messages (prefill's connector checks the rendered prompt
+    # against decode's KV): vLLM validates them on the prefill leg and its refusal comes back
+    # in Anthropic's shape. Roles and block types vLLM accepts (``system`` messages, which
+    # Claude Code sends mid-conversation; thinking and tool blocks) pass unchanged.
     _check_max(body, "max_tokens", required=True)
 
 

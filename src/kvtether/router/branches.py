@@ -12,7 +12,10 @@ cannot tokenize, take the most recently active idle branch. A turn runs on a bus
 sibling instead of waiting: turns of different branches run in parallel, turns of one branch
 stay ordered (one at a time). A prompt that shares less than half of an idle branch's sequence
 opens a new branch and leaves that one's KV for the turns that continue it; one that shares more
-(a retry, an edit near the end) stays on the branch and reads the matching whole blocks.
+(a retry, an edit near the end) stays on the branch and reads the matching whole blocks. A
+prompt that shares less than one block with every branch (a harness's side request: OpenCode's
+title request, a summariser; or the agent's first turn after one) starts a branch of its own,
+whose first turn is a ``first_turn``.
 Only when every branch is busy does a turn wait (``store_lock_wait_s``, then 409).
 """
 
@@ -55,11 +58,14 @@ class BranchChoice:
 async def hold_branch(
     store: ConversationStore, conversation_id: str, tenant: str, *, max_branches: int,
     wait_s: float, tokenize: Callable[[], Awaitable[list[int] | None]] | None,
+    related_tokens: int = 1,
 ) -> BranchChoice:
     """Hold the branch this turn continues (or a new one); raises
     :class:`ConversationBusyError` when every branch is busy past ``wait_s``.
 
     ``tokenize``: the prompt's token ids (None where the router cannot see them).
+    ``related_tokens``: a new branch whose prompt repeats fewer of its closest sibling's
+    tokens than this shares nothing with it (its first turn is a ``first_turn``).
     """
     ids = branch_ids(conversation_id, max_branches)
     views = await asyncio.gather(*(store.read(bid, tenant) for bid in ids))
@@ -80,7 +86,9 @@ async def hold_branch(
     for bid in ids:  # open a new branch
         if bid not in taken and (held := await _lock_now(store, bid, tenant)) is not None:
             if existing and not held.conv.turns:
-                _seed(held.conv, dict(existing)[ranked[0][0]])
+                closest = dict(existing)[ranked[0][0]]
+                if _related(closest, prompt, related_tokens):
+                    _seed(held.conv, closest)
             return BranchChoice(held, prompt)  # (None: another turn just opened it)
     for bid in partial:  # no room: the idle branch that shares the most
         if (held := await _lock_now(store, bid, tenant)) is not None:
@@ -97,6 +105,13 @@ def _seed(branch: Conversation, closest: Conversation) -> None:
         branch.last_token_ids = closest.last_token_ids
         branch.gone_cause = MissCause.PREFIX_BREAK
     branch.parent_id = closest.parent_id
+
+
+def _related(closest: Conversation, prompt: list[int] | None, min_tokens: int) -> bool:
+    seq = closest.last_token_ids
+    if prompt is None or seq is None:
+        return True
+    return common_prefix_tokens(seq, prompt) >= min_tokens
 
 
 async def _lock_now(store: ConversationStore, bid: str, tenant: str) -> HeldConversation | None:

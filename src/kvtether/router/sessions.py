@@ -96,6 +96,7 @@ class SessionAPI:
             raise _unknown(cid)
         now = self.clock.now_unix_s()
         status = conv.status(now)
+        main = (conv.turn_count, conv.last_active_unix_s, cid)
         for bid in await self._branches(request):
             branch = await self._store(self.store.read(bid, tenant_of(request)))
             if branch is not None:
@@ -103,8 +104,10 @@ class SessionAPI:
                 status.branches.append(p.BranchStatus(
                     conversation_id=bid, decode_instance=b.decode_instance,
                     retained_tokens=b.retained_tokens, lease_state=b.lease_state,
-                    turn_count=b.turn_count, fired_turns=b.fired_turns,
+                    turn_count=b.turn_count, fired_turns=b.fired_turns, turns=b.turns,
                 ))
+                main = max(main, (branch.turn_count, branch.last_active_unix_s, bid))
+        status.main_branch = main[2] if not is_branch_id(cid) else None
         return JSONResponse(status.model_dump(mode="json"))
 
     def _require_leases(self, cid: str, what: str) -> None:

@@ -146,6 +146,7 @@ class TurnRunner:
             self.deps.store, req.conversation_id, req.tenant,
             max_branches=self.s.max_branches, wait_s=self.s.store_lock_wait_s,
             tokenize=tokenize if req.api.token_ids_in_answer else None,
+            related_tokens=self.s.kv_block_size_tokens,
         )
         req.prompt_ids = choice.prompt_ids
         return choice.held

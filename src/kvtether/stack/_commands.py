@@ -18,7 +18,7 @@ from kvtether.protocol import CONTROL_SECRET_ENV
 from kvtether.router.settings import AccessSettings, RetentionSettings
 from kvtether.stack._state import Role
 from kvtether.stack._store import find_store_server, store_server_argv
-from kvtether.stack.models import tool_call_args
+from kvtether.stack.models import model_server_args
 from kvtether.stack.settings import StackSettings
 
 __all__ = ["InstancePlan", "Command", "CommandBuilder", "VllmCommands", "kv_transfer_config"]
@@ -174,7 +174,7 @@ class VllmCommands:
             argv += ["--max-num-batched-tokens", str(settings.max_num_batched_tokens)]
         if settings.long_prefill_token_threshold is not None:
             argv += ["--long-prefill-token-threshold", str(settings.long_prefill_token_threshold)]
-        argv += tool_call_args(plan.model_dir)
+        argv += model_server_args(plan.model_dir)
         if plan.gpu_memory_utilization is not None:
             argv += ["--gpu-memory-utilization", str(plan.gpu_memory_utilization)]
         env = {k: v for k, v in settings.vllm_env.items() if k not in os.environ}

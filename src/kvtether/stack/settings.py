@@ -135,7 +135,7 @@ class StackSettings(RetentionSettings, AccessSettings, StackSettingsBase):
 
     # Device-specific: defaults come from the profile only.
     device: Literal["cpu", "cuda"] = _preset("device vLLM runs on")
-    prepared_model: Literal["tiny", "smol"] = _preset("model prepared when --model is not given")
+    prepared_model: Literal["tiny", "smol", "agents"] = _preset("model prepared when --model is not given")
     dtype: str = _preset("vLLM --dtype")
     enforce_eager: bool = _preset("vLLM --enforce-eager")
     block_size_tokens: KVBlockSizeTokens = _preset("vLLM KV block size")

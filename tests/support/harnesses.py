@@ -1,0 +1,175 @@
+"""Claude Code, Codex and OpenCode as installed from npm (``scripts/setup-harnesses.sh``), run
+non-interactively against a kvtether router, offline: each in a home of its own, with its
+telemetry, update checks, plugin sync and model-list fetches switched off by its documented
+settings (docs/coding-agents.md, "Running them offline").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HARNESS_DIR = Path(os.environ.get("KVTETHER_HARNESS_DIR", ROOT / ".kvtether" / "harnesses"))
+BIN = HARNESS_DIR / "node_modules" / ".bin"
+HARNESSES = ("claude", "codex", "opencode")
+
+
+def installed() -> bool:
+    return all((BIN / name).exists() for name in HARNESSES)
+
+
+@dataclass
+class Run:
+    harness: str
+    returncode: int
+    stdout: str
+    stderr: str
+    session_id: str | None  # the id the harness sends as its session header
+
+    def events(self) -> list[dict]:
+        out = []
+        for line in self.stdout.splitlines():
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+        return out
+
+
+class Harness:
+    """One harness with a home of its own, pointed at ``base_url`` (a kvtether router)."""
+
+    def __init__(self, name: str, base_url: str, model: str, home: Path,
+                 api_key: str = "kvtether-test") -> None:
+        self.name, self.base_url, self.model, self.home = name, base_url, model, home
+        self.api_key = api_key
+        self.work = home / "work"
+        self.work.mkdir(parents=True, exist_ok=True)
+        getattr(self, f"_configure_{name}")()
+
+    # ----------------------------------------------------------------- configuration
+    def _base_env(self) -> dict[str, str]:
+        keep = ("PATH", "LANG", "LC_ALL", "TERM", "TMPDIR")
+        env = {k: os.environ[k] for k in keep if k in os.environ}
+        env.update(HOME=str(self.home), XDG_CONFIG_HOME=str(self.home / ".config"),
+                   XDG_DATA_HOME=str(self.home / ".local" / "share"),
+                   XDG_CACHE_HOME=str(self.home / ".cache"),
+                   XDG_STATE_HOME=str(self.home / ".local" / "state"), NO_COLOR="1", CI="1")
+        return env
+
+    def _configure_claude(self) -> None:
+        m = self.model
+        self.env = {
+            **self._base_env(),
+            "ANTHROPIC_BASE_URL": self.base_url, "ANTHROPIC_API_KEY": self.api_key,
+            "ANTHROPIC_MODEL": m, "ANTHROPIC_SMALL_FAST_MODEL": m,
+            "ANTHROPIC_DEFAULT_HAIKU_MODEL": m, "ANTHROPIC_DEFAULT_SONNET_MODEL": m,
+            "ANTHROPIC_DEFAULT_OPUS_MODEL": m,
+            "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
+            # As root, skipping permission prompts needs a declared sandbox.
+            "IS_SANDBOX": "1",
+        }
+
+    def _configure_codex(self) -> None:
+        codex_home = self.home / ".codex"
+        codex_home.mkdir(parents=True, exist_ok=True)
+        (codex_home / "config.toml").write_text(codex_config(self.base_url, self.model))
+        self.env = {**self._base_env(), "CODEX_HOME": str(codex_home),
+                    "KVTETHER_API_KEY": self.api_key}
+
+    def _configure_opencode(self) -> None:
+        config_dir = self.home / ".config" / "opencode"
+        config_dir.mkdir(parents=True, exist_ok=True)
+        config = config_dir / "opencode.json"
+        config.write_text(json.dumps(opencode_config(self.base_url, self.model), indent=2))
+        # OpenCode runs npm at every start to install its plugin API into the config directory
+        # unless it is there already.
+        plugin = HARNESS_DIR / "node_modules" / "@opencode-ai"
+        target = config_dir / "node_modules" / "@opencode-ai"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(plugin, target, symlinks=True)
+        self.env = {
+            **self._base_env(), "OPENCODE_CONFIG": str(config),
+            "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
+            "OPENCODE_DISABLE_SHARE": "1", "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+            "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1", "OPENCODE_DISABLE_AUTOCOMPACT": "1",
+        }
+
+    # ----------------------------------------------------------------- runs
+    def run(self, prompt: str, *, cont: bool = False, timeout_s: float = 600) -> Run:
+        argv = getattr(self, f"_argv_{self.name}")(prompt, cont)
+        done = subprocess.run(argv, cwd=self.work, env=self.env, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=timeout_s)
+        run = Run(self.name, done.returncode, done.stdout, done.stderr, None)
+        run.session_id = getattr(self, f"_session_{self.name}")(run)
+        return run
+
+    def _argv_claude(self, prompt: str, cont: bool) -> list[str]:
+        return [str(BIN / "claude"), *(["-c"] if cont else []), "-p", prompt,
+                "--output-format", "stream-json", "--verbose",
+                "--dangerously-skip-permissions"]
+
+    def _argv_codex(self, prompt: str, cont: bool) -> list[str]:
+        head = [str(BIN / "codex"), "exec", *(["resume", "--last"] if cont else [])]
+        return [*head, "--json", "--skip-git-repo-check",
+                "--dangerously-bypass-approvals-and-sandbox", prompt]
+
+    def _argv_opencode(self, prompt: str, cont: bool) -> list[str]:
+        return [str(BIN / "opencode"), "run", *(["--continue"] if cont else []),
+                "--format", "json", "--model", f"kvtether/{self.model}", prompt]
+
+    @staticmethod
+    def _session_claude(run: Run) -> str | None:
+        return next((e["session_id"] for e in run.events() if e.get("session_id")), None)
+
+    @staticmethod
+    def _session_codex(run: Run) -> str | None:
+        return next((e["thread_id"] for e in run.events() if e.get("thread_id")), None)
+
+    @staticmethod
+    def _session_opencode(run: Run) -> str | None:
+        return next((e["sessionID"] for e in run.events() if e.get("sessionID")), None)
+
+
+def codex_config(base_url: str, model: str) -> str:
+    """Codex's config.toml for a kvtether router (the README's, plus offline switches)."""
+    return f"""model_provider = "kvtether"
+model = "{model}"
+model_context_window = 65536
+model_auto_compact_token_limit = 52000
+
+[model_providers.kvtether]
+name = "kvtether"
+base_url = "{base_url}/v1"
+wire_api = "responses"
+env_key = "KVTETHER_API_KEY"
+
+[features]
+plugins = false
+remote_plugin = false
+
+[analytics]
+enabled = false
+"""
+
+
+def opencode_config(base_url: str, model: str) -> dict:
+    return {
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {"kvtether": {
+            "npm": "@ai-sdk/openai-compatible", "name": "kvtether",
+            "options": {"baseURL": f"{base_url}/v1", "apiKey": "{env:KVTETHER_API_KEY}"},
+            "models": {model: {"limit": {"context": 65536, "output": 256}}},
+        }},
+        "model": f"kvtether/{model}",
+        "autoupdate": False, "share": "disabled",
+    }
