@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvtether-setup-$(shell cat $(SETUP_INPUTS) | sha1sum | cut -c1
 # The integrations' tests, where their distributions are installed (Python >= 3.11).
 INTEGRATION_TESTS = $$($(PY) -c 'import sys; print("integrations/langgraph/tests integrations/openai-agents/tests" if sys.version_info >= (3, 11) else "")')
 
-.PHONY: setup demo test test-fast test-compat bench bench-idle notebooks clean
+.PHONY: setup harnesses demo test test-fast test-compat bench bench-idle notebooks clean
 
 setup: $(STAMP)
 
@@ -15,10 +15,14 @@ $(STAMP): $(SETUP_INPUTS)
 	rm -f $(VENV)/.kvtether-setup-*
 	touch $@
 
+# Claude Code, Codex and OpenCode, pinned, for the tests that drive them (needs npm).
+harnesses:
+	bash scripts/setup-harnesses.sh
+
 demo: setup
 	$(PY) -m kvtether demo
 
-test: setup
+test: setup harnesses
 	$(PY) -m pytest tests $(INTEGRATION_TESTS) $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-compat
 

@@ -100,3 +100,48 @@ def reference_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Referen
     # start_reference_vllm stops the server and its engine and worker processes.
     alive = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [p.cmdline()[:4] for p in alive]
+
+
+# The coding-agent stack (`cpu-agents`: a 64K-context model that holds a harness's prompt),
+# started by the first test that needs it, with its own colocated reference.
+AGENTS_PORT = PORT_BASE + 700
+
+
+def _agents_settings(tmp: Path, **overrides):
+    from kvtether.stack.settings import StackSettings
+
+    return StackSettings(
+        profile="cpu-agents", port=AGENTS_PORT, base_port=AGENTS_PORT + 10,
+        side_channel_base_port=PORT_BASE - 1500, control_base_port=AGENTS_PORT + 20,
+        state_dir=tmp, health_timeout_s=900, **overrides,
+    )
+
+
+@pytest.fixture(scope="session")
+def agents_reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reference]:
+    from kvtether.stack.launcher import start_reference_vllm
+
+    settings = _agents_settings(tmp_path_factory.mktemp("agents-reference"))
+    with start_reference_vllm(settings, port=AGENTS_PORT + 30) as url:
+        yield Reference(base_url=url)
+
+
+@pytest.fixture(scope="session")
+def agents_stack(
+    tmp_path_factory: pytest.TempPathFactory, agents_reference: Reference
+) -> Iterator[StackHandle]:
+    del agents_reference  # started first: three instances booting at once slow each other
+    from kvtether.stack.launcher import Stack
+
+    tmp = tmp_path_factory.mktemp("agents-stack")
+    settings = _agents_settings(tmp, connector="kvtether")
+    with Stack(settings, die_with_parent=True) as stack:
+        n_p = settings.prefill
+        yield StackHandle(
+            base_url=stack.router_url, model=stack.served_model_name,
+            lease_ttl_s=settings.lease_ttl_s, block_size_tokens=settings.block_size_tokens,
+            prefill_urls=stack.prefill_urls, decode_urls=stack.decode_urls,
+            decode_control_urls=[f"http://{settings.host}:{settings.control_port(n_p + i)}"
+                                 for i in range(settings.decode)],
+            state_dir=tmp, control_secret=stack.control_secret,
+        )

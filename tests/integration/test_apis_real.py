@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
-import subprocess
-import tomllib
 import uuid
-from pathlib import Path
 
 import anthropic
 import httpx
@@ -223,51 +219,6 @@ def test_a_coding_agent_session_with_parallel_subagents(pd_stack, reference_vllm
 
 
 # ------------------------------------------------------------------ the README runs as written
-def _readme_section(title: str) -> dict[str, list[str]]:
-    """The code blocks of one README section, by language."""
-    text = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
-    section = text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
-    blocks: dict[str, list[str]] = {}
-    for lang, code in re.findall(r"```(\w+)\n(.*?)```", section, flags=re.S):
-        blocks.setdefault(lang, []).append(code)
-    return blocks
-
-
-def _json_values(text: str) -> list:
-    """The JSON values curl printed one after another (without newlines between them)."""
-    decoder, values, i = json.JSONDecoder(), [], 0
-    while i < len(text):
-        if text[i].isspace():
-            i += 1
-            continue
-        value, i = decoder.raw_decode(text, i)
-        values.append(value)
-    return values
-
-
-def test_the_readme_coding_agent_section_runs_as_written(pd_stack):
-    blocks = _readme_section("Point a coding agent at kvtether")
-    codex = tomllib.loads(blocks["toml"][0])
-    provider = codex["model_providers"][codex["model_provider"]]
-    assert provider["wire_api"] == "responses" and provider["base_url"].endswith("/v1")
-    opencode = json.loads(blocks["json"][0])
-    assert opencode["provider"]["kvtether"]["options"]["baseURL"] == provider["base_url"]
-    # The curl lines, against this test's stack (its port and model).
-    host = pd_stack.base_url.removeprefix("http://")
-    script = blocks["bash"][0].replace("localhost:8000", host).replace('"smol"',
-                                                                       f'"{pd_stack.model}"')
-    try:
-        out = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True,
-                             text=True, timeout=600, check=True).stdout
-        *answers, status = _json_values(out)
-        assert all(a["type"] == "message" for a in answers)
-        assert status["conversation_id"] == "cc-1:agent:explore"
-        assert status["parent_id"] == "cc-1" and status["turn_count"] == 1
-    finally:
-        _release(pd_stack, "cc-1")
-        _release(pd_stack, "cc-1:agent:explore")
-
-
 # ------------------------------------------------------------------ branches of one conversation
 def test_parallel_workers_under_one_conversation_id_run_on_their_own_branches(
     pd_stack, reference_vllm

@@ -132,3 +132,27 @@ async def test_a_side_request_first_stays_on_its_own_branch(store) -> None:
         assert [t["outcome"] for t in branch["turns"]] == outcomes
         assert status["main_branch"] == branch["conversation_id"]
         h.assert_kv_correct()
+
+
+async def test_a_compacted_history_supersedes_the_old_sequence(store) -> None:
+    # A harness compacting its context: the same system prompt, then a summary in place of
+    # the turns it replaces, under the same id. The old sequence's KV is freed at once (no
+    # heartbeat keeps it), and the conversation holds one sequence again.
+    async with router(*store) as h:
+        agent = h.conversation("compact", system=SUPERVISOR * 2)
+        for i in range(6):
+            await agent.say(f"step {i}: " + " ".join(f"w{j}" for j in range(40)))
+        before = (await h.client.get("/v1/sessions/compact")).json()
+        agent.messages[1:] = [{"role": "user", "content": "summary of the work so far"}]
+        t = await agent.say("continue from the summary")
+        assert t.outcome == "miss:prefix_break" and t.status == 200
+        for _ in range(50):  # the release runs beside the turn
+            status = (await h.client.get("/v1/sessions/compact")).json()
+            if status["lease_state"] == "released":
+                break
+            await asyncio.sleep(0.05)
+        assert status["lease_state"] == "released" and status["retained_tokens"] == 0
+        (branch,) = status["branches"]
+        assert 0 < branch["retained_tokens"] < before["retained_tokens"]
+        assert (await agent.say("next step")).outcome == "fired"
+        h.assert_kv_correct()

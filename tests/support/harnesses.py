@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -65,13 +66,9 @@ class Harness:
         return env
 
     def _configure_claude(self) -> None:
-        m = self.model
         self.env = {
-            **self._base_env(),
-            "ANTHROPIC_BASE_URL": self.base_url, "ANTHROPIC_API_KEY": self.api_key,
-            "ANTHROPIC_MODEL": m, "ANTHROPIC_SMALL_FAST_MODEL": m,
-            "ANTHROPIC_DEFAULT_HAIKU_MODEL": m, "ANTHROPIC_DEFAULT_SONNET_MODEL": m,
-            "ANTHROPIC_DEFAULT_OPUS_MODEL": m,
+            **self._base_env(), **claude_env(self.base_url, self.model),
+            "ANTHROPIC_AUTH_TOKEN": self.api_key,
             "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
             "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
             # As root, skipping permission prompts needs a declared sandbox.
@@ -98,7 +95,7 @@ class Harness:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copytree(plugin, target, symlinks=True)
         self.env = {
-            **self._base_env(), "OPENCODE_CONFIG": str(config),
+            **self._base_env(), "OPENCODE_CONFIG": str(config), "KVTETHER_API_KEY": self.api_key,
             "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
             "OPENCODE_DISABLE_SHARE": "1", "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
             "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1", "OPENCODE_DISABLE_AUTOCOMPACT": "1",
@@ -140,19 +137,43 @@ class Harness:
         return next((e["sessionID"] for e in run.events() if e.get("sessionID")), None)
 
 
+def readme_section(title: str) -> dict[str, list[str]]:
+    """The code blocks of one README section, by language."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+    blocks: dict[str, list[str]] = {}
+    for lang, code in re.findall(r"```(\w+)\n(.*?)```", section, flags=re.S):
+        blocks.setdefault(lang, []).append(code)
+    return blocks
+
+
+README_SECTION = "Point a coding agent at kvtether"
+_README_URL = "http://127.0.0.1:8000"
+
+
+def claude_env(base_url: str, model: str) -> dict[str, str]:
+    """The environment the README's Claude Code line sets, at this router."""
+    block = readme_section(README_SECTION)["bash"][-1].replace("\\\n", " ")
+    line = next(x for x in block.splitlines() if x.rstrip().endswith(" claude"))
+    env = dict(word.split("=", 1) for word in line.split() if "=" in word)
+    assert env["ANTHROPIC_BASE_URL"] == _README_URL and env["ANTHROPIC_MODEL"] == model, env
+    return {**env, "ANTHROPIC_BASE_URL": base_url}
+
+
+def readme_curl_lines() -> str:
+    """The README's curl lines (what Claude Code sends), without the line that starts it."""
+    block = readme_section(README_SECTION)["bash"][-1]
+    return block[block.index("\ncurl") + 1:]
+
+
 def codex_config(base_url: str, model: str) -> str:
-    """Codex's config.toml for a kvtether router (the README's, plus offline switches)."""
-    return f"""model_provider = "kvtether"
-model = "{model}"
-model_context_window = 65536
-model_auto_compact_token_limit = 52000
-
-[model_providers.kvtether]
-name = "kvtether"
-base_url = "{base_url}/v1"
-wire_api = "responses"
-env_key = "KVTETHER_API_KEY"
-
+    """Codex's config.toml: the README's, at this router, plus the switches that keep it
+    offline (plugin sync, analytics) and a key from the environment."""
+    readme = readme_section(README_SECTION)["toml"][0]
+    assert f'model = "{model}"' in readme and _README_URL in readme, readme
+    config = readme.replace(_README_URL, base_url)
+    return config.replace('wire_api = "responses"\n',
+                          'wire_api = "responses"\nenv_key = "KVTETHER_API_KEY"\n') + """
 [features]
 plugins = false
 remote_plugin = false
@@ -163,13 +184,11 @@ enabled = false
 
 
 def opencode_config(base_url: str, model: str) -> dict:
-    return {
-        "$schema": "https://opencode.ai/config.json",
-        "provider": {"kvtether": {
-            "npm": "@ai-sdk/openai-compatible", "name": "kvtether",
-            "options": {"baseURL": f"{base_url}/v1", "apiKey": "{env:KVTETHER_API_KEY}"},
-            "models": {model: {"limit": {"context": 65536, "output": 256}}},
-        }},
-        "model": f"kvtether/{model}",
-        "autoupdate": False, "share": "disabled",
-    }
+    """OpenCode's opencode.json: the README's, at this router, with autoupdate and sharing
+    off and a key from the environment."""
+    config = json.loads(readme_section(README_SECTION)["json"][0])
+    assert config["model"] == f"kvtether/{model}", config
+    options = config["provider"]["kvtether"]["options"]
+    assert options["baseURL"] == f"{_README_URL}/v1", options
+    options.update(baseURL=f"{base_url}/v1", apiKey="{env:KVTETHER_API_KEY}")
+    return {**config, "autoupdate": False, "share": "disabled"}

@@ -15,7 +15,10 @@ opens a new branch and leaves that one's KV for the turns that continue it; one 
 (a retry, an edit near the end) stays on the branch and reads the matching whole blocks. A
 prompt that shares less than one block with every branch (a harness's side request: OpenCode's
 title request, a summariser; or the agent's first turn after one) starts a branch of its own,
-whose first turn is a ``first_turn``.
+whose first turn is a ``first_turn``. A shorter prompt that shares the beginning of an idle
+branch but less than half of it is that sequence rewritten (a harness compacting its history):
+the new branch *supersedes* the old one, whose KV the router releases at once instead of
+keeping it under heartbeats until its lease lapses or the budget evicts it.
 Only when every branch is busy does a turn wait (``store_lock_wait_s``, then 409).
 """
 
@@ -53,6 +56,7 @@ def is_branch_id(conversation_id: str) -> bool:
 class BranchChoice:
     held: HeldConversation
     prompt_ids: list[int] | None  # tokenized while choosing (chat / completions), else None
+    superseded: str | None = None  # a branch this turn's prompt rewrites (release its KV)
 
 
 async def hold_branch(
@@ -85,11 +89,15 @@ async def hold_branch(
     taken = {bid for bid, _ in existing}
     for bid in ids:  # open a new branch
         if bid not in taken and (held := await _lock_now(store, bid, tenant)) is not None:
+            superseded = None
             if existing and not held.conv.turns:
-                closest = dict(existing)[ranked[0][0]]
+                closest_id = ranked[0][0]
+                closest = dict(existing)[closest_id]
                 if _related(closest, prompt, related_tokens):
                     _seed(held.conv, closest)
-            return BranchChoice(held, prompt)  # (None: another turn just opened it)
+                    if closest_id in partial and _shorter(prompt, closest):
+                        superseded = closest_id
+            return BranchChoice(held, prompt, superseded)
     for bid in partial:  # no room: the idle branch that shares the most
         if (held := await _lock_now(store, bid, tenant)) is not None:
             return BranchChoice(held, prompt)
@@ -112,6 +120,11 @@ def _related(closest: Conversation, prompt: list[int] | None, min_tokens: int) -
     if prompt is None or seq is None:
         return True
     return common_prefix_tokens(seq, prompt) >= min_tokens
+
+
+def _shorter(prompt: list[int] | None, than: Conversation) -> bool:
+    return (prompt is not None and than.last_token_ids is not None
+            and len(prompt) < len(than.last_token_ids))
 
 
 async def _lock_now(store: ConversationStore, bid: str, tenant: str) -> HeldConversation | None:

@@ -149,7 +149,26 @@ class TurnRunner:
             related_tokens=self.s.kv_block_size_tokens,
         )
         req.prompt_ids = choice.prompt_ids
+        if choice.superseded is not None:
+            in_background(self._release_superseded(choice.superseded, req.tenant))
         return choice.held
+
+    async def _release_superseded(self, branch_id: str, tenant: str) -> None:
+        """Free the KV of a branch whose sequence a turn rewrote (:mod:`.branches`)."""
+        try:
+            held = await self.deps.store.try_lock(branch_id, tenant, release_after_turn=True)
+            if held is None:
+                return
+            try:
+                freed = await self.retention.release_by_client(held)
+            finally:
+                await held.commit()
+        except StoreError as exc:
+            logger.warning("could not release superseded branch %s: %s", branch_id, exc)
+            return
+        if freed:
+            logger.info("released %d tokens of %s: a shorter prompt rewrote its sequence",
+                        freed, branch_id)
 
     async def _tokenize(self, req: TurnRequest, prefill: Backend) -> list[int] | None:
         """The prompt's token ids: from the router's own tokenizer where it mirrors the
