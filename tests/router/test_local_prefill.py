@@ -63,7 +63,7 @@ async def test_a_short_turn_is_computed_on_decode_and_keeps_its_kv(stream: bool)
 
 async def test_a_long_turn_still_goes_through_prefill() -> None:
     async with make_router(control=True, fake=FAKE, local_prefill_max_tokens=50) as h:
-        agent = h.conversation("long")
+        agent = h.conversation("long", hints={})  # a client's lease: lease_ttl_s
         await agent.say("first question " * 20)
         t2 = await agent.say("a long tool output " * 40)
         assert t2.outcome == "fired"
@@ -138,7 +138,8 @@ async def _lapsed(name: str) -> AsyncIterator[tuple[Harness, Agent]]:
         agent = h.conversation(name)
         await agent.say("first question " * 20)
         await agent.say("a tool result " * 10)
-        clock.advance(120.0)
+        # Past the lease of an answer handed back to a person (at least vLLM's 480 s).
+        clock.advance(h.settings.decoder_kv_blocks_ttl_s + 1.0)
         yield h, agent
 
 

@@ -140,7 +140,7 @@ async def test_budget_and_reaper_act_across_replicas(redis_server: RedisServer) 
         await two.say("hello")  # over the cap: b evicts what a's conversation holds
         assert (await one.say("again")).outcome == "miss:evicted"  # (and evicts two's)
         a.settings.max_retained_tokens = None
-        clock.advance(31.0)
+        clock.advance(a.settings.decoder_kv_blocks_ttl_s + 1.0)  # past a person's lease
         await b.app.state.retention.reap_expired()
         assert a.d.held_leases() == []
         assert (await one.say("late")).outcome == "miss:lease_expired"

@@ -14,7 +14,9 @@ from .clock import ManualClock
 
 
 async def two_turns(h: Harness, cid: str = "sess", stream: bool = False):
-    a = h.conversation(cid)
+    # A kvtether client: it sends hints (here none in particular), so its leases start at
+    # lease_ttl_s and heartbeats extend them. A harness's: tests/router/test_tool_leases.py.
+    a = h.conversation(cid, hints={})
     await a.say("first", stream=stream)
     await a.say("second", stream=stream)
     return a
@@ -54,6 +56,7 @@ async def test_get_session_after_turns(hx: Harness, stream: bool) -> None:
     assert s.retained_tokens == held[0].num_tokens
     ttl = hx.settings.lease_ttl_s if control else hx.settings.decoder_kv_blocks_ttl_s
     assert before < s.lease_deadline_unix_s <= time.time() + ttl
+    assert s.lease_basis == ("default" if control else None)  # no connector: vLLM's TTL
 
 
 async def test_heartbeat_unknown_404(h: Harness) -> None:
@@ -228,7 +231,7 @@ async def test_lease_is_extended_at_handoff_so_a_slow_prefill_still_reads() -> N
     """A short lease is renewed to ``handoff_lease_s`` before its handle goes to prefill, and
     the handle carries the renewed deadline (P compares it before reading)."""
     async with make_router(control=True, lease_ttl_s=10, handoff_lease_s=60) as hc:
-        a = hc.conversation("handoff")
+        a = hc.conversation("handoff", hints={})
         await a.say("first")
         (held,) = hc.d.held_leases()
         old_expiry = held.expiry_perf

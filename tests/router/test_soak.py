@@ -75,7 +75,8 @@ async def test_lifecycles_through_the_router_leave_memory_flat() -> None:
                            max_conversations=max_conversations, max_turn_records=4) as h:
 
         async def lifecycle(i: int) -> None:
-            a = h.conversation(f"soak-{i}")
+            # A kvtether client: hints with each turn, heartbeats while its tool runs.
+            a = h.conversation(f"soak-{i}", hints={})
             for t in range(rng.randint(1, 3)):
                 await a.say(f"step {t} of {i}", stream=rng.random() < 0.5)
                 hb = await h.client.post(f"/v1/sessions/soak-{i}/heartbeat",

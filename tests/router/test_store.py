@@ -21,6 +21,7 @@ from kvtether.router.conversations import (
 )
 from kvtether.router.metrics import RouterMetrics
 from kvtether.router.store_redis import RedisConversationStore
+from kvtether.router.tool_leases import AwaitingTools
 from tests.support.redis_server import RedisServer, redis_port
 from tests.support.waiting import await_for
 
@@ -69,6 +70,9 @@ async def test_a_turn_saves_what_the_next_one_loads(store: ConversationStore) ->
     conv.decode_instance = "decode-0"
     conv.retained = retained()
     conv.phase = p.Phase.TOOL_RUNNING
+    conv.tool_gaps.observe(["Bash:pytest"], 120.0)  # a client without hints (tool_leases)
+    conv.awaiting_tools = AwaitingTools(("Bash:pytest", "Read"), 1234.5, 1)
+    conv.lease_basis = "tool_calls"
     assert await held.commit() is False
     assert await held.commit() is False  # idempotent
 
@@ -79,7 +83,18 @@ async def test_a_turn_saves_what_the_next_one_loads(store: ConversationStore) ->
     assert seen.retained is not None and seen.retained.params["remote_block_ids"] == [[1, 2, 3]]
     assert seen.retained.token_ids == list(range(53))
     assert seen.phase == p.Phase.TOOL_RUNNING
-    assert seen.status(0).lease_state == "active"
+    assert seen.tool_gaps == conv.tool_gaps and seen.tool_gaps.estimate_s("Bash:pytest") > 60
+    assert seen.awaiting_tools == AwaitingTools(("Bash:pytest", "Read"), 1234.5, 1)
+    assert seen.status(0).lease_state == "active" and seen.status(0).lease_basis == "tool_calls"
+    # A heartbeat, release or reap holds less of it (a shared store's partial load), and
+    # what it saves leaves the learned tool gaps alone.
+    beat = await store.try_lock("c1", "alice")
+    assert beat is not None
+    beat.conv.phase = p.Phase.IDLE
+    await beat.commit()
+    again = await store.read("c1", "alice")
+    assert again is not None and again.phase == p.Phase.IDLE
+    assert again.tool_gaps == conv.tool_gaps and again.awaiting_tools == seen.awaiting_tools
     assert await store.read("c1", "bob") is None  # another tenant's id is another conversation
 
 

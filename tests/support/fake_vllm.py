@@ -3,8 +3,10 @@
 Faithful enough to exercise the kvtether router, with no model and no engine:
 
 - ``/health``, ``/v1/models`` (serves ``tiny``), ``/tokenize``, ``/v1/chat/completions`` and
-  ``/v1/completions`` (stream and not), with vLLM 0.32's response shapes: ``return_token_ids``
-  gives top-level ``prompt_token_ids`` + per-choice ``token_ids`` for chat, and per-choice
+  ``/v1/completions`` (stream and not), and ``/v1/responses`` / ``/v1/messages`` (stream and
+  not: rendered as the chat they amount to; answers in those APIs' shapes, token ids reported
+  in ``kv_transfer_params`` as kvtether's connector does), with vLLM 0.32's response shapes:
+  ``return_token_ids`` gives top-level ``prompt_token_ids`` + per-choice ``token_ids`` for chat, and per-choice
   ``prompt_token_ids`` + ``token_ids`` for completions; streamed chunks carry the prompt ids in
   the first chunk, the delta ids in each chunk, a usage chunk if
   ``stream_options.include_usage``, then ``data: [DONE]``. Errors use vLLM's ``ErrorResponse``
@@ -204,13 +206,17 @@ class Generation:
 def generate(
     prompt: list[int], max_tokens: int | None, *, tools: Any = None,
     wants_tool: bool = False, output_words: int | None = None,
+    tool_arguments: dict[str, Any] | None = None,
 ) -> Generation:
-    """Greedy "decoding": a deterministic function of the prompt ids, ending with EOS."""
+    """Greedy "decoding": a deterministic function of the prompt ids, ending with EOS.
+    A tool call (``wants_tool`` and ``tools`` offered) calls the first tool, with
+    ``tool_arguments`` or a made-up query."""
     h = _digest(prompt)
     if tools and wants_tool:
         name = str(tools[0].get("function", {}).get("name", "tool"))
         query = " ".join(VOCAB[(h >> (5 * i)) % len(VOCAB)] for i in range(2))
-        arguments = json.dumps({"query": query})
+        arguments = json.dumps(tool_arguments if tool_arguments is not None
+                               else {"query": query})
         call = {
             "id": f"chatcmpl-tool-{h % 10**12:012d}",
             "type": "function",
@@ -244,6 +250,9 @@ class Retention:
     renewals: int = 0
     created_unix_s: float = field(default_factory=time.time)
     ended_unix_s: float | None = None
+    # The clock lease deadlines are reported in (the router's, when a test moves it by hand);
+    # leases still expire in real time.
+    now_unix_s: Callable[[], float] = field(default=time.time, repr=False)
 
     def refresh(self) -> None:
         if self.state == "held" and time.perf_counter() >= self.expiry_perf:
@@ -264,7 +273,7 @@ class Retention:
             state=state,
             retained_blocks=len(self.block_ids) if self.state == "held" else 0,
             retained_tokens=self.num_tokens if self.state == "held" else 0,
-            deadline_unix_s=time.time() + remaining,
+            deadline_unix_s=self.now_unix_s() + remaining,
             remaining_s=remaining,
             remote_blocks_expiry_time=self.expiry_perf,
             renewals=self.renewals,
@@ -294,6 +303,7 @@ class Cluster:
         self.reads: list[ReadEvent] = []
         self.violations: list[str] = []
         self._next_block = 1000
+        self.now_unix_s: Callable[[], float] = time.time  # what lease deadlines are told in
 
     def add(self, inst: FakeVLLM, *hostports: str) -> FakeVLLM:
         for hp in hostports:
@@ -316,6 +326,7 @@ class Cluster:
             seq=list(seq),
             num_tokens=num_tokens, block_ids=self.allocate_blocks(n_blocks),
             expiry_perf=time.perf_counter() + ttl_s, lease_key=lease_key,
+            now_unix_s=self.now_unix_s,
         )
         self.retentions[(inst.engine_id, request_id)] = r
         return r
@@ -453,6 +464,10 @@ class FakeVLLM:
         self.read_margin_s = read_margin_s
         self.kvtether_connector = kvtether_connector
         self.output_words = output_words
+        # Tool calls: None, when the last message is a user's asking "use_tool"; True, whenever
+        # tools are offered (an agent loop); False, never. With these arguments if set.
+        self.call_tools: bool | None = None
+        self.tool_arguments: dict[str, Any] | None = None
         self.down = False
         # Streamed answers break off after this many bytes, as when the process dies.
         self.cut_streams_after: int | None = None
@@ -493,6 +508,8 @@ class FakeVLLM:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/v1/chat/completions", self.completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/responses", self.completions, methods=["POST"]),
+            Route("/v1/messages", self.completions, methods=["POST"]),
             Route("/kvtether/v1/status", self.ctl_status, methods=["GET"]),
             Route("/kvtether/v1/handles/{key}", self.ctl_handle, methods=["GET"]),
             Route("/kvtether/v1/leases/{key}", self.ctl_lease, methods=["GET"]),
@@ -588,23 +605,31 @@ class FakeVLLM:
 
     async def completions(self, request: Request) -> Response:
         endpoint = request.url.path
-        chat = endpoint == "/v1/chat/completions"
+        api = _API_OF.get(endpoint, "completions")
+        chat = api != "completions"
         try:
-            body = await request.json()
+            received = body = await request.json()
         except json.JSONDecodeError as exc:
             return vllm_error(f"JSON decode error: {exc}")
+        if api in ("responses", "messages"):
+            try:
+                body = as_chat(received, api)
+            except KeyError as exc:
+                return vllm_error(f"{exc.args[0]}: Field required", param=str(exc.args[0]))
+            except (TypeError, ValueError, AttributeError):
+                return vllm_error(f"invalid {api} request: a field has the wrong type")
         if (problem := invalid_request(body, chat)) is not None:
             return vllm_error(problem)  # vLLM's pydantic request models answer 400
-        self.requests.append(Received(endpoint, body, dict(request.headers)))
+        self.requests.append(Received(endpoint, received, dict(request.headers)))
         self.inflight += 1
         self.max_inflight = max(self.max_inflight, self.inflight)
         try:
-            return await self._complete(request, endpoint, chat, body)
+            return await self._complete(request, endpoint, chat, body, api)
         finally:
             self.inflight -= 1
 
     async def _complete(self, request: Request, endpoint: str, chat: bool,
-                        body: dict[str, Any]) -> Response:
+                        body: dict[str, Any], api: str = "chat") -> Response:
         failure = self._take_failure(endpoint, body)
         if failure == "500":
             return vllm_error("EngineCore encountered an issue.", "InternalServerError", 500)
@@ -650,6 +675,7 @@ class FakeVLLM:
         is_decode = bool(kvp and kvp.get("do_remote_prefill")) or is_local
         cached = 0
         read: ReadEvent | None = None
+        broken = False  # a prefill's check found the prompt diverging from the handle's
         if self.queue_delay_s:
             await asyncio.sleep(self.queue_delay_s)
         hold, self._hold = self._hold, None
@@ -660,8 +686,12 @@ class FakeVLLM:
         if is_prefill:
             self.prefill_handles.append(dict(kvp) if kvp.get("remote_block_ids") else None)
             if kvp.get("remote_block_ids"):
+                offer = kvp
+                if self.kvtether_connector and p.KV_PARAM_BLOCK_HASHES in kvp:
+                    offer = checked_by_hashes(kvp, prompt)
+                    broken = offer is not kvp
                 read = self.cluster.read(
-                    self, kvp, prompt, threshold=self.kv_recompute_threshold,
+                    self, offer, prompt, threshold=self.kv_recompute_threshold,
                     margin_s=self.read_margin_s, fail=self.pull_failure,
                     local_tokens=min(self.local_hit_tokens(prompt), len(prompt) - 1),
                 )
@@ -682,9 +712,12 @@ class FakeVLLM:
 
         last = (body.get("messages") or [{}])[-1] if chat else {}
         wants_tool = last.get("role") == "user" and "use_tool" in content_text(last.get("content"))
+        if self.call_tools is not None:
+            wants_tool = self.call_tools
         max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
         gen = generate(prompt, max_tokens, tools=body.get("tools") if chat else None,
-                       wants_tool=wants_tool, output_words=self.output_words)
+                       wants_tool=wants_tool, output_words=self.output_words,
+                       tool_arguments=self.tool_arguments)
         if failure == "other_first_token" and gen.words:
             other = next(w for w in VOCAB if w != gen.words[0])
             gen = Generation([word_id(other), *gen.token_ids[1:]], [other, *gen.words[1:]],
@@ -707,7 +740,7 @@ class FakeVLLM:
                     p.KV_PARAM_REUSED_TOKENS: read.read_tokens,
                     p.KV_PARAM_REMOTE_TOKENS: read.offered_tokens,
                     p.KV_PARAM_PREFIX_MATCH_TOKENS: read.offered_tokens,
-                    p.KV_PARAM_PREFIX_BREAK: False,
+                    p.KV_PARAM_PREFIX_BREAK: broken,
                 })
         elif is_decode and failure not in ("no_handle", "stream_error"):
             seq = prompt + gen.token_ids
@@ -717,6 +750,13 @@ class FakeVLLM:
             r = self.cluster.retain(self, "decode", request_id, seq, len(seq) - 1, ttl_s=ttl,
                                     lease_key=key)
             kv_out = self._handle(r, do_remote_prefill=False)
+            if self.kvtether_connector:
+                # kvtether's connector: the prefix identity of what it retains, for a prefill
+                # to check a prompt the router could not tokenize against.
+                held = seq[: r.num_tokens]
+                kv_out[p.KV_PARAM_BLOCK_SIZE] = BLOCK_SIZE
+                kv_out[p.KV_PARAM_BLOCK_HASHES] = p.block_hashes(held, BLOCK_SIZE)
+                kv_out[p.KV_PARAM_TAIL_HASH] = p.tail_block_hash(held, BLOCK_SIZE)
             if failure == "flat_block_ids":
                 kv_out["remote_block_ids"] = list(r.block_ids)
             if key:
@@ -733,16 +773,25 @@ class FakeVLLM:
             }
         if failure == "no_kv_params":
             kv_out = None
+        if kv_out is not None and (kvp or {}).get(p.KV_PARAM_REPORT_TOKEN_IDS):
+            # kvtether's connector reports the sequence for APIs whose answers carry no ids.
+            kv_out[p.KV_PARAM_PROMPT_TOKEN_IDS] = list(prompt)
+            if is_decode:
+                kv_out[p.KV_PARAM_OUTPUT_TOKEN_IDS] = list(gen.token_ids)
 
         if body.get("stream"):
-            return StreamingResponse(
-                self._stream(body, chat, request_id, prompt, gen, kv_out,
-                             error=failure == "stream_error"),
-                media_type="text/event-stream",
-            )
+            events = (self._stream(body, chat, request_id, prompt, gen, kv_out,
+                                   error=failure == "stream_error")
+                      if api in ("chat", "completions")
+                      else self._named_stream(api, body, request_id, prompt, gen, kv_out))
+            return StreamingResponse(events, media_type="text/event-stream")
         if is_decode:
             self._publish((kvp or {}).get(p.KV_PARAM_HANDLE_KEY) if self.control else None,
                           kv_out)
+        if api in ("responses", "messages"):
+            data = _named_api_body(api, request_id, prompt, gen, kv_out)
+            self.responses.append(data)
+            return JSONResponse(data)
         data = self._response(body, chat, request_id, prompt, gen, kv_out, cached)
         self.responses.append(data)
         return JSONResponse(data)
@@ -902,6 +951,23 @@ class FakeVLLM:
             yield emit({**head, "choices": [], "usage": self._usage(prompt, gen)})
         yield "data: [DONE]\n\n"
 
+    async def _named_stream(self, api: str, body: dict[str, Any], request_id: str,
+                            prompt: list[int], gen: Generation,
+                            kv_out: dict[str, Any] | None) -> AsyncIterator[str]:
+        """A Responses or Messages stream (named events), as vLLM frames them; the handle is
+        published before the last event (the router fetches it before relaying that)."""
+        sent: list[dict[str, Any]] = []
+        self.stream_chunks.append(sent)
+        kvp = body.get("kv_transfer_params") or {}
+        key = kvp.get(p.KV_PARAM_HANDLE_KEY) if self.control else None
+        events = _named_events(api, request_id, prompt, gen)
+        for i, (name, data) in enumerate(events):
+            if i == len(events) - 1:
+                self._publish(key, kv_out)
+            sent.append(data)
+            yield f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+            await asyncio.sleep(0)
+
     # ------------------------------------------------------------------ control channel
     def _ctl(self, request: Request) -> Response | None:
         self.control_calls.append((request.method, request.url.path))
@@ -1042,6 +1108,21 @@ class FakeVLLM:
         return out
 
 
+def checked_by_hashes(kvp: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
+    """What kvtether's prefill connector reads of a handle with block hashes: all of it when
+    the prompt repeats every token it holds, else the whole blocks that match (maybe none)."""
+    n = int(kvp.get("remote_num_tokens") or 0)
+    want = kvp[p.KV_PARAM_BLOCK_HASHES]
+    have = p.block_hashes(prompt[:n], BLOCK_SIZE)
+    if len(prompt) > n and have == want and (
+            p.tail_block_hash(prompt[:n], BLOCK_SIZE) == kvp.get(p.KV_PARAM_TAIL_HASH)):
+        return kvp
+    match = 0
+    while match < min(len(want), len(have)) and want[match] == have[match]:
+        match += 1
+    return p.truncate_handle(kvp, match, BLOCK_SIZE) or {**kvp, "remote_num_tokens": 0}
+
+
 def _is_prefill(body: dict[str, Any]) -> bool:
     kvp = body.get("kv_transfer_params")
     return isinstance(kvp, dict) and bool(kvp.get("do_remote_decode"))
@@ -1058,6 +1139,173 @@ def vllm_error(message: str, err_type: str = "BadRequestError", status: int = 40
 
 def _model_not_found(model: Any) -> JSONResponse:
     return vllm_error(f"The model `{model}` does not exist.", "NotFoundError", 404)
+
+
+# --------------------------------------------------------------------------- Responses, Messages
+_API_OF = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
+           "/v1/responses": "responses", "/v1/messages": "messages"}
+
+
+def _texts(content: Any) -> str:
+    """The text of a string, or of a list of text parts / blocks (any ``text`` field)."""
+    return content_text(content) if content is not None else ""
+
+
+def as_chat(body: dict[str, Any], api: str) -> dict[str, Any]:
+    """A Responses or Messages request as the chat request it renders like: messages (a
+    function call / tool_use is an assistant message's tool call with its arguments as JSON,
+    its result a ``tool`` message), tools in chat's shape, the token cap as ``max_tokens``."""
+    messages: list[dict[str, Any]] = []
+    if api == "responses":
+        if body.get("instructions"):
+            messages.append({"role": "system", "content": body["instructions"]})
+        items = body["input"]
+        for item in [{"role": "user", "content": items}] if isinstance(items, str) else items:
+            kind = item.get("type", "message")
+            if kind == "message":
+                messages.append({"role": item["role"], "content": _texts(item.get("content"))})
+            elif kind == "function_call":
+                messages.append({"role": "assistant", "content": None, "tool_calls": [{
+                    "id": item.get("call_id"), "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}]})
+            elif kind == "function_call_output":
+                messages.append({"role": "tool", "content": _texts(item.get("output"))})
+        tools = [{"type": "function", "function": {"name": t.get("name")}}
+                 for t in body.get("tools") or [] if t.get("type") == "function"]
+        max_tokens = body.get("max_output_tokens")
+    else:
+        if body.get("system"):
+            messages.append({"role": "system", "content": _texts(body["system"])})
+        for m in body["messages"]:
+            content = m["content"]
+            if isinstance(content, str):
+                messages.append({"role": m["role"], "content": content})
+                continue
+            text = " ".join(b.get("text", "") for b in content if b.get("type") == "text")
+            if m["role"] == "assistant":
+                calls = [{"id": b.get("id"), "type": "function", "function": {
+                    "name": b["name"], "arguments": json.dumps(b.get("input") or {})}}
+                    for b in content if b.get("type") == "tool_use"]
+                msg: dict[str, Any] = {"role": "assistant", "content": text or None}
+                if calls:
+                    msg["tool_calls"] = calls
+                messages.append(msg)
+                continue
+            for b in content:
+                if b.get("type") == "tool_result":
+                    messages.append({"role": "tool", "content": _texts(b.get("content"))})
+            if text:
+                messages.append({"role": m["role"], "content": text})
+        tools = [{"type": "function", "function": {"name": t.get("name")}}
+                 for t in body.get("tools") or []]
+        max_tokens = body.get("max_tokens")
+    out: dict[str, Any] = {"model": body.get("model"), "messages": messages,
+                           "stream": bool(body.get("stream"))}
+    for name, value in (("tools", tools or None), ("max_tokens", max_tokens),
+                        ("kv_transfer_params", body.get("kv_transfer_params"))):
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def _tool_call(gen: Generation) -> tuple[str, str, str]:
+    call = gen.tool_calls[0]
+    return call["id"], call["function"]["name"], call["function"]["arguments"]
+
+
+def _named_api_body(api: str, request_id: str, prompt: list[int], gen: Generation,
+                    kv_out: dict[str, Any] | None) -> dict[str, Any]:
+    """A whole Responses or Messages answer."""
+    n = len(gen.token_ids)
+    if api == "responses":
+        if gen.tool_calls:
+            call_id, name, arguments = _tool_call(gen)
+            item: dict[str, Any] = {"type": "function_call", "id": f"fc_{call_id}",
+                                    "call_id": call_id, "name": name,
+                                    "arguments": arguments, "status": "completed"}
+        else:
+            item = {"type": "message", "id": f"msg_{request_id}", "role": "assistant",
+                    "status": "completed", "content": [
+                        {"type": "output_text", "text": gen.text, "annotations": []}]}
+        return {"id": f"resp_{request_id}", "object": "response",
+                "created_at": int(time.time()), "model": MODEL,
+                "status": "completed" if gen.finish_reason != "length" else "incomplete",
+                "output": [item], "tools": [], "parallel_tool_calls": True,
+                "usage": {"input_tokens": len(prompt), "output_tokens": n,
+                          "total_tokens": len(prompt) + n},
+                "kv_transfer_params": kv_out}
+    if gen.tool_calls:
+        call_id, name, arguments = _tool_call(gen)
+        content = [{"type": "tool_use", "id": f"toolu_{call_id}", "name": name,
+                    "input": json.loads(arguments)}]
+        stop = "tool_use"
+    else:
+        content = [{"type": "text", "text": gen.text}]
+        stop = "max_tokens" if gen.finish_reason == "length" else "end_turn"
+    data: dict[str, Any] = {"id": f"msg_{request_id}", "type": "message", "role": "assistant",
+                            "model": MODEL, "content": content, "stop_reason": stop,
+                            "stop_sequence": None,
+                            "usage": {"input_tokens": len(prompt), "output_tokens": n}}
+    if kv_out is not None:
+        data["kv_transfer_params"] = kv_out
+    return data
+
+
+def _named_events(api: str, request_id: str, prompt: list[int],
+                  gen: Generation) -> list[tuple[str, dict[str, Any]]]:
+    """The events of a streamed Responses or Messages answer (a tool call's arguments in two
+    pieces, as a model streams them), each ``(name, data)``."""
+    whole = _named_api_body(api, request_id, prompt, gen, None)
+    events: list[tuple[str, dict[str, Any]]] = []
+    if api == "responses":
+        def add(name: str, **data: Any) -> None:
+            events.append((name, {"type": name, "sequence_number": len(events), **data}))
+        start = {**whole, "status": "in_progress", "output": [], "usage": None}
+        add("response.created", response=start)
+        add("response.in_progress", response=start)
+        item = whole["output"][0]
+        if item["type"] == "function_call":
+            add("response.output_item.added", output_index=0, item={**item, "arguments": ""})
+            half = len(item["arguments"]) // 2
+            for piece in (item["arguments"][:half], item["arguments"][half:]):
+                add("response.function_call_arguments.delta", output_index=0,
+                    item_id=item["id"], delta=piece)
+            add("response.function_call_arguments.done", output_index=0, item_id=item["id"],
+                arguments=item["arguments"])
+        else:
+            add("response.output_item.added", output_index=0, item={**item, "content": []})
+            for i, word in enumerate(gen.words):
+                add("response.output_text.delta", output_index=0, content_index=0,
+                    item_id=item["id"], delta=(" " if i else "") + word)
+        add("response.output_item.done", output_index=0, item=item)
+        add("response.completed", response=whole)
+        return events
+    events.append(("message_start", {"type": "message_start", "message": {
+        **whole, "content": [], "stop_reason": None,
+        "usage": {"input_tokens": len(prompt), "output_tokens": 0}}}))
+    block = whole["content"][0]
+    if block["type"] == "tool_use":
+        events.append(("content_block_start", {"type": "content_block_start", "index": 0,
+                                                "content_block": {**block, "input": {}}}))
+        arguments = json.dumps(block["input"])
+        half = len(arguments) // 2
+        for piece in (arguments[:half], arguments[half:]):
+            events.append(("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                    "delta": {"type": "input_json_delta",
+                                                              "partial_json": piece}}))
+    else:
+        events.append(("content_block_start", {"type": "content_block_start", "index": 0,
+                                                "content_block": {"type": "text", "text": ""}}))
+        for i, word in enumerate(gen.words):
+            events.append(("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                    "delta": {"type": "text_delta",
+                                                              "text": (" " if i else "") + word}}))
+    events.append(("content_block_stop", {"type": "content_block_stop", "index": 0}))
+    events.append(("message_delta", {"type": "message_delta", "delta": {
+        "stop_reason": whole["stop_reason"], "stop_sequence": None},
+        "usage": {"output_tokens": len(gen.token_ids)}}))
+    events.append(("message_stop", {"type": "message_stop"}))
+    return events
 
 
 # --------------------------------------------------------------------------- transport

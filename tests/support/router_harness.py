@@ -147,8 +147,12 @@ class Harness:
             body["stream"] = True
         return await self.post("/v1/completions", body, conv=conv)
 
-    def conversation(self, cid: str | None, system: str = SYSTEM_PROMPT) -> Agent:
-        return Agent(self, cid, [{"role": "system", "content": system}])
+    def conversation(self, cid: str | None, system: str = SYSTEM_PROMPT, *,
+                     hints: dict[str, Any] | None = None) -> Agent:
+        """A conversation; with ``hints`` (``{}`` will do) every turn carries them, as a
+        kvtether client's do: its leases are sized as before harnesses (no answer-based
+        lease, ``router.tool_leases``)."""
+        return Agent(self, cid, [{"role": "system", "content": system}], hints=hints)
 
     async def metric(self, name: str, labels: str = "") -> float:
         text = (await self.client.get("/metrics")).text
@@ -176,15 +180,19 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
 class Agent:
     """A client-side conversation: keeps the message history, one turn at a time."""
 
-    def __init__(self, h: Harness, cid: str | None, messages: list[dict[str, Any]]) -> None:
+    def __init__(self, h: Harness, cid: str | None, messages: list[dict[str, Any]], *,
+                 hints: dict[str, Any] | None = None) -> None:
         self.h = h
         self.cid = cid
         self.messages = messages
+        self.hints = hints  # sent with every turn (a kvtether client), unless a turn says
         self.turns: list[Turn] = []
 
     async def say(self, text: str, *, stream: bool = False, expect: int = 200,
                   **extra: Any) -> Turn:
         self.messages.append({"role": "user", "content": text})
+        if self.hints is not None:
+            extra.setdefault(p.BODY_HINTS, self.hints)
         turn = await self.h.chat(list(self.messages), self.cid, stream=stream, **extra)
         assert turn.status == expect, (turn.status, turn.response.text[:500])
         if turn.status == 200:
@@ -202,9 +210,13 @@ async def make_router(
 ) -> AsyncIterator[Harness]:
     """A router app with its lifespan running, in front of fresh fake instances.
 
-    ``clock`` (e.g. ``ManualClock``) is the router's; the fake instances keep real time.
+    ``clock`` (e.g. ``ManualClock``) is the router's; the fake instances keep real time, but
+    tell their leases' deadlines in the router's clock (as a real connector's agree with the
+    router's, both being wall clocks).
     """
     cluster = Cluster()
+    if clock is not None:
+        cluster.now_unix_s = clock.now_unix_s
     fake = fake or {}
     prefill = [
         cluster.add(FakeVLLM(cluster, f"prefill{i}", f"prefill{i}", 8100 + i,

@@ -203,6 +203,11 @@ class SessionStatus(BaseModel):
     parent_id: str | None = None
     lease_state: Literal["active", "none", "expired", "released", "evicted"]
     lease_key: str | None = None  # the lease on the decode instance's kvtether connector
+    # How the last turn's lease was sized: "hints" (the client's next_turn_gap_s), "default"
+    # (hints without a gap: lease_ttl_s), and for a client that sends no hints (a coding
+    # agent), "tool_calls" (the answer ended in tool calls: their learned duration) or
+    # "person" (handed back to a person: at least vLLM's own TTL); null before any lease.
+    lease_basis: Literal["hints", "default", "tool_calls", "person"] | None = None
     turns: list[TurnRecord]  # the most recent turns only (the router keeps a bounded number)
     # Totals over every turn of the conversation, including those no longer in ``turns``.
     turn_count: int = 0

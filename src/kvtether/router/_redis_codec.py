@@ -1,5 +1,7 @@
 """How a conversation is stored in its Redis hash: JSON for what is small, the bytes of an
-``array`` (4 bytes a token) for token sequences; each field is written only when it changed."""
+``array`` (4 bytes a token) for token sequences; each field is written only when it changed.
+What only a turn needs (``turns``, ``seq``, ``tools``: the tool gaps learned for a client
+without hints) is not read by a heartbeat, release or reap (:mod:`._redis_lua`)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ from typing import Any
 
 from kvtether.protocol import MissCause, Phase, TurnRecord
 from kvtether.router.conversations import Conversation, RetainedKV
+from kvtether.router.tool_leases import AwaitingTools, ToolGaps
 
 __all__ = ["FIELDS", "dump", "fields", "load"]
 
-FIELDS = ["meta", "turns", "seq", "ret", "rtok"]
+FIELDS = ["meta", "turns", "seq", "ret", "rtok", "tools"]
 
 
 def fields(data: Any) -> dict[bytes, bytes]:
@@ -40,12 +43,15 @@ def dump(conv: Conversation, names: list[str]) -> dict[bytes, bytes]:
                 "last_active_unix_s": conv.last_active_unix_s,
                 "phase": conv.phase.value if conv.phase else None,
                 "expected_next_prompt_tokens": conv.expected_next_prompt_tokens,
+                "basis": conv.lease_basis,
             }, separators=(",", ":")).encode()
         elif name == "turns":
             value = json.dumps([t.model_dump(mode="json") for t in conv.turns],
                                separators=(",", ":")).encode()
         elif name == "seq":
             value = _pack(conv.last_token_ids)
+        elif name == "tools":
+            value = _dump_tools(conv)
         elif name == "ret":
             value = b"" if r is None else json.dumps({
                 "decode_instance": r.decode_instance, "params": r.params,
@@ -57,6 +63,27 @@ def dump(conv: Conversation, names: list[str]) -> dict[bytes, bytes]:
             value = b"" if r is None else _pack(r.token_ids)
         out[name.encode()] = value
     return out
+
+
+def _dump_tools(conv: Conversation) -> bytes:
+    w = conv.awaiting_tools
+    if w is None and not len(conv.tool_gaps):
+        return b""
+    return json.dumps({
+        "gaps": conv.tool_gaps.to_json(),
+        "awaiting": None if w is None else {"keys": list(w.keys), "at": w.answered_unix_s,
+                                            "turn": w.turn},
+    }, separators=(",", ":")).encode()
+
+
+def _load_tools(conv: Conversation, raw: bytes) -> None:
+    if not raw:
+        return
+    tools = json.loads(raw)
+    conv.tool_gaps = ToolGaps.from_json(tools.get("gaps"))
+    w = tools.get("awaiting")
+    if w:
+        conv.awaiting_tools = AwaitingTools(tuple(w["keys"]), w["at"], w["turn"])
 
 
 def _pack(ids: Any) -> bytes:
@@ -98,9 +125,11 @@ def load(conversation_id: str, tenant: str, data: dict[bytes, bytes],
     conv.last_active_unix_s = meta["last_active_unix_s"]
     conv.phase = Phase(meta["phase"]) if meta["phase"] else None
     conv.expected_next_prompt_tokens = meta["expected_next_prompt_tokens"]
+    conv.lease_basis = meta.get("basis")
     if b"turns" in data:
         conv.turns.extend(TurnRecord.model_validate(t) for t in json.loads(data[b"turns"]))
     conv.last_token_ids = _unpack(data.get(b"seq", b""))
+    _load_tools(conv, data.get(b"tools", b""))
     ret = data.get(b"ret")
     if ret:
         r = json.loads(ret)

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from kvtether.errors import KVTetherError
 from kvtether.protocol import LeaseInfo, MissCause, Phase, SessionStatus, TurnRecord
+from kvtether.router.tool_leases import AwaitingTools, LeaseBasis, ToolGaps
 
 __all__ = [
     "RetainedKV",
@@ -103,6 +104,12 @@ class Conversation:
     # Latest client hints (turn hints or heartbeats), used to value the lease.
     phase: Phase | None = None
     expected_next_prompt_tokens: int | None = None
+    # A client without hints (router.tool_leases): how long its tool calls kept it away
+    # (bounded), the last answer's calls until the next turn comes, and how the last lease
+    # was sized.
+    tool_gaps: ToolGaps = field(default_factory=ToolGaps, repr=False)
+    awaiting_tools: AwaitingTools | None = None
+    lease_basis: LeaseBasis | None = None
     # A DELETE that came while this turn was in flight: free its KV as soon as it settles.
     release_after_turn: int | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
@@ -154,6 +161,7 @@ class Conversation:
             lease_deadline_unix_s=r.lease_deadline_unix_s if r else None,
             lease_state=self.lease_state(now),  # type: ignore[arg-type]
             lease_key=r.handle_key if r else None,
+            lease_basis=self.lease_basis,
             turns=list(self.turns),
             turn_count=self.turn_count,
             fired_turns=self.fired_turns,

@@ -1,6 +1,7 @@
 """Relaying D's answer to the client: one JSON body, or an SSE stream passed through chunk by
 chunk. Either way the turn is settled (its record completed, D's handle remembered or
-released) before the client sees the end of the answer."""
+released) before the client sees the end of the answer, and how the answer ended (in tool
+calls or not, :mod:`.answers`) is known by then."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 from kvtether import protocol as p
 from kvtether.router._clock import Clock
 from kvtether.router._errors import RouterHTTPError, anthropic_error_body
+from kvtether.router.answers import AnswerReader
 from kvtether.router.apis import Api, api_for
 from kvtether.router.backends import Backend, BackendStalled
 from kvtether.router.conversations import Conversation, HeldConversation
@@ -58,6 +60,7 @@ class TurnContext:
     # Filled while relaying: the sequence D now holds KV for.
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
+    answer: AnswerReader = field(default_factory=AnswerReader)  # how the answer ends
     # A turn decode computes itself: its new tokens count in the instance's
     # ``prompt_backlog_tokens`` until the first token.
     local_prompt_on: Backend | None = None
@@ -111,6 +114,7 @@ async def relay_once(ctx: TurnContext, settle: Settle, clock: Clock) -> Response
         ctx.prompt_computed()
         await ctx.upstream.aclose()
     data = json_or_502(raw, decode)
+    ctx.answer.body(ctx.api.name, data)
     if ctx.api.token_ids_in_answer:
         choice = (data.get("choices") or [{}])[0]
         ctx.output_ids = list(choice.get("token_ids") or [])
@@ -172,6 +176,7 @@ def relay_stream(
                     yield (line + "\n\n").encode()
                     continue
                 ctx.prompt_ids.extend(prompt_ids(chunk))
+                ctx.answer.chunk(chunk)
                 for c in chunk.get("choices") or []:
                     ctx.output_ids.extend(c.get("token_ids") or [])
                     if record.timings.decode_first_token_s is None and c.get("token_ids"):
@@ -236,6 +241,7 @@ def relay_events(
                     continue
                 if not frame:
                     continue
+                ctx.answer.event(name, frame)
                 if name in api.delta_events and record.timings.decode_first_token_s is None:
                     ctx.prompt_computed()
                     now = clock.now_unix_s()

@@ -276,6 +276,23 @@ class Retention:
         elif result.status is RenewStatus.GONE:
             r.lease_deadline_unix_s = now  # D no longer holds it: the plan says lease_expired
 
+    async def lengthen(self, conv: Conversation, lease_s: float, held_s: float) -> None:
+        """A turn just retained KV that D holds for ``held_s`` (the TTL its decode leg
+        carried) should be held for ``lease_s``, longer: renew it on D. If D does not renew
+        it, the router's deadline is D's (never a handle past what D holds)."""
+        r = conv.retained
+        assert r is not None
+        decode = self.pool.by_name(r.decode_instance)
+        result = (await self.deps.leases.renew(decode, r.handle_key, lease_s)
+                  if decode is not None else None)
+        if result is not None and result.status is RenewStatus.RENEWED and (
+                result.lease is not None):
+            r.renewed(result.lease)
+        elif result is not None and result.status is RenewStatus.GONE:
+            r.lease_deadline_unix_s = r.created_unix_s  # the next turn finds it expired
+        else:
+            r.lease_deadline_unix_s = r.created_unix_s + held_s
+
     async def renew(self, conv: Conversation, ttl_s: float) -> RenewOutcome:
         """A heartbeat's renewal of the conversation's live lease to now + ``ttl_s``."""
         r = conv.retained

@@ -136,7 +136,8 @@ class RouterSettings(RetentionSettings, AccessSettings, BaseSettings):
     decode_control_urls: list[str] = Field(default_factory=list)
     kv_block_size_tokens: KVBlockSizeTokens = Field(default=16, description="vLLM KV block size")
     max_lease_s: float = Field(
-        default=900.0, gt=0, description="longest lease a hint or heartbeat may ask for"
+        default=900.0, gt=0, description="longest lease a hint or heartbeat may ask for, or "
+        "a client without hints (a coding agent) may get after tool calls"
     )
     lease_safety_margin_s: float = Field(
         default=6.0, ge=0, description="a handle whose lease ends within this margin is renewed "

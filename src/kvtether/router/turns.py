@@ -45,6 +45,7 @@ from kvtether.router.relay import (
 )
 from kvtether.router.retention import Retention
 from kvtether.router.reuse import ReusePlan, plan_reuse, plan_upstream, reuse_outcome
+from kvtether.router.tool_leases import LeaseSizing, person_lease_s, size_after_answer
 
 logger = logging.getLogger(__name__)
 
@@ -615,9 +616,13 @@ class TurnRunner:
         return plan(prompt_ids)
 
     def _initial_lease_s(self, h: p.TurnHints | None) -> float:
-        """The first lease on a turn's KV: the default, or longer if the next turn is late."""
+        """The first lease on a turn's KV (the TTL its decode leg carries): with hints, the
+        default, or longer if the next turn is late; without (a coding agent), a person's
+        reply's until the answer says more (:mod:`.tool_leases`, in :meth:`_settle`)."""
+        if h is None:
+            return person_lease_s(self.s)
         ttl = self.s.lease_ttl_s
-        if h is not None and h.next_turn_gap_s is not None:
+        if h.next_turn_gap_s is not None:
             ttl = max(ttl, min(h.next_turn_gap_s * 1.5 + self.s.lease_safety_margin_s,
                                self.s.max_lease_s))
         return ttl
@@ -644,6 +649,13 @@ class TurnRunner:
         if hints is not None:
             conv.phase = hints.phase
             conv.expected_next_prompt_tokens = hints.next_prompt_tokens
+            sizing = LeaseSizing(self._initial_lease_s(hints),
+                                 "default" if hints.next_turn_gap_s is None else "hints")
+        else:
+            # No hints (a coding agent): how the answer ended sizes its lease.
+            sizing = size_after_answer(self.s, conv, ctx.answer.end(), ctx.record,
+                                       conv.last_active_unix_s)
+        conv.lease_basis = None
         if self.s.reuse_policy == "off":
             conv.gone_cause = p.MissCause.NOT_RETAINED
             return
@@ -670,12 +682,14 @@ class TurnRunner:
         if conv.retained is not None:  # cannot happen in order, but never leak a lease
             await self.retention.release(conv, p.MissCause.RELEASED)
         if ctx.handle_key:
-            lease_s = self._initial_lease_s(hints)
+            lease_s, conv.lease_basis = sizing.lease_s, sizing.basis
         else:
             lease_s = self.s.decoder_kv_blocks_ttl_s
         self.retention.retain(
             conv, decode, handle, ctx.prompt_ids + ctx.output_ids, ctx.handle_key, lease_s
         )
+        if ctx.handle_key and lease_s > (held_s := self._initial_lease_s(hints)):
+            await self.retention.lengthen(conv, lease_s, held_s)  # longer than D was told
         if hints is not None and hints.phase == p.Phase.FINAL:
             # The agent said this is its last turn (a release meanwhile: see _commit).
             await self.retention.release(conv, p.MissCause.RELEASED)
