@@ -29,6 +29,7 @@ from pydantic_settings import (
 
 from kvtether.errors import KVTetherError
 from kvtether._validation import first_field_error
+from kvtether.harness.commands import HookGroup
 from kvtether.router.front import FrontSettings
 from kvtether.router.settings import RouterSettings
 from kvtether.stack.models import ModelName
@@ -171,6 +172,7 @@ class KVTetherCli(BaseSettings):
     stack: CliSubCommand[StackGroup]
     router: CliSubCommand[RouterCommand]
     front: CliSubCommand[FrontCommand]
+    hook: CliSubCommand[HookGroup]
     bench: CliSubCommand[BenchCommand]
     demo: CliSubCommand[DemoCommand]
 
