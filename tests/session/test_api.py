@@ -47,6 +47,7 @@ def test_exported_names_are_pinned() -> None:
             "Turn",
             "ToolRun",
             "SessionEvent",
+            "SessionTotals",
             "EventKind",
             "PrefixCheck",
             "PrefixStatus",

@@ -152,7 +152,7 @@ def test_report_says_where_later_turns_time_went() -> None:
     turns = [Turn(turn=1, endpoint="chat", stream=True, ttft_s=3.0, timings=timings)]
     turns += [Turn(turn=i, endpoint="chat", stream=True, ttft_s=1.5, timings=timings)
               for i in (2, 3)]
-    last = format_report("c", None, turns, []).splitlines()[-1]
+    last = format_report("c", None, turns).splitlines()[-1]
     assert last == ("where turn 2+ time went (median of 2): TTFT 1.50 s · waiting for the "
                     "conversation 0.00 s · tokenize 0.10 s · prefill 0.90 s (queue 0.30 s, "
                     "KV read 0.02 s) · decode to first token 0.50 s")

@@ -63,6 +63,23 @@ def test_unseen_tools_start_from_a_prior_and_learn() -> None:
     assert predictor.tool_duration_s("deploy") == pytest.approx(120, rel=0.3)
 
 
+def test_a_conversation_of_ever_new_tools_stays_bounded() -> None:
+    predictor = GrowthPredictor()
+    for i in range(5000):
+        predictor.observe_tool(f"mcp_tool_{i}", 5.0)
+        predictor.observe_tool("deploy", 120.0)
+        predictor.observe_turn(1000 + 20 * i, 10, called_tools=True)
+    assert max(len(predictor._duration), len(predictor._appended)) <= 512
+    # Tools used lately keep what they learned; the long-unused fall back to their prior.
+    assert predictor.tool_duration_s("deploy") == pytest.approx(120, rel=0.3)
+    prior_s = GrowthPredictor().tool_duration_s("mcp_tool")
+    assert predictor.tool_duration_s("mcp_tool_4999") > 5 * prior_s  # one 5 s run, shrunk
+    assert predictor.tool_duration_s("mcp_tool_0") == pytest.approx(prior_s)
+    for _ in range(5000):  # tools, and no reply to learn their growth from
+        predictor.observe_tool("grep", 0.1)
+    assert len(predictor._pending_tools) <= 64
+
+
 def test_a_tool_past_its_estimate_is_expected_to_run_on() -> None:
     predictor = GrowthPredictor()
     assert predictor.at_tool("grep", elapsed_s=60).next_turn_gap_s >= 30

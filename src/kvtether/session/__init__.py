@@ -32,6 +32,7 @@ from kvtether.session._records import (
     PrefixCheck,
     PrefixStatus,
     SessionEvent,
+    SessionTotals,
     ToolRun,
     Turn,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "Turn",
     "ToolRun",
     "SessionEvent",
+    "SessionTotals",
     "EventKind",
     "PrefixCheck",
     "PrefixStatus",

@@ -25,7 +25,7 @@ from kvtether.session._ids import (
 )
 from kvtether.session._lease import API_KEY_ENV
 from kvtether.session._prefix import keep_prefix_stable
-from kvtether.session._records import SessionEvent, ToolRun, Turn
+from kvtether.session._records import SessionEvent, SessionTotals, ToolRun, Turn
 from kvtether.session._report import format_report
 from kvtether.session._settings import SessionSettings, normalize_base_url
 from kvtether.session._state import SessionState
@@ -105,15 +105,23 @@ class BaseSession:
 
     @property
     def turns(self) -> list[Turn]:
+        """The most recent turns (at most ``settings.max_turn_records``), oldest first."""
         return self._state.turns()
 
     @property
     def tool_runs(self) -> list[ToolRun]:
+        """The most recent tool runs (at most ``settings.max_turn_records``), oldest first."""
         return self._state.tool_runs()
 
     @property
     def events(self) -> list[SessionEvent]:
+        """The most recent events (at most ``settings.max_turn_records``), oldest first."""
         return self._state.events()
+
+    @property
+    def totals(self) -> SessionTotals:
+        """Counts over every turn, tool run and event, including those no longer listed."""
+        return self._state.totals()
 
     @property
     def released(self) -> bool:
@@ -124,8 +132,9 @@ class BaseSession:
         return self._state.kv_gone
 
     def report(self) -> str:
-        """A per-turn table with totals, for printing."""
-        return format_report(self.conversation_id, self.base_url, self.turns, self.events)
+        """A table of the listed turns and a summary line over every turn, for printing."""
+        turns, totals = self._state.report_records()
+        return format_report(self.conversation_id, self.base_url, turns, totals)
 
     def stable_history(self, messages: list[Any]) -> list[Any]:
         """``messages`` with each earlier model reply restored to exactly what the model sent

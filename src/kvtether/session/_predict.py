@@ -46,6 +46,13 @@ _DEFAULT_IDLE_S = 84.0  # human think time p50 (1.4 min)
 _DEFAULT_USER_TOKENS = 150.0
 _DEFAULT_OUTPUT_TOKENS = 250.0
 _MAX_VARIANTS_PER_TOOL = 64
+# Keys (tools and their variants) learned per table: a conversation that never ends may call
+# ever more distinct tools (generated names, MCP servers coming and going); the least recently
+# observed key is forgotten and falls back to its tool's estimate, else to the prior.
+_MAX_TOOL_KEYS = 512
+# Tool runs since the last reply whose keys learn its growth (a session used only for tools
+# may never see a reply); the share of each is still taken over all of them.
+_MAX_PENDING_TOOLS = 64
 _ALPHA = 0.15  # EWMA weight of the newest sample once a key has a few of them
 _RATE_ALPHA = 0.3  # tool-call rate: few samples per conversation, follow them quickly
 
@@ -118,11 +125,14 @@ class GrowthPredictor:
         self._tool_call_rate = 0.8  # agents mostly call tools; learned per conversation
         self._last: tuple[int, int] | None = None  # (prompt, output) tokens of the last turn
         self._pending_tools: list[str] = []
+        self._pending_count = 0  # tool runs since the last reply, listed or not
 
     # --- observations ---------------------------------------------------------------------
     def observe_tool(self, key: str, duration_s: float) -> None:
         self._update(self._duration, key, 0, duration_s)
-        self._pending_tools.append(key)
+        self._pending_count += 1
+        if len(self._pending_tools) < _MAX_PENDING_TOOLS:
+            self._pending_tools.append(key)
 
     def observe_gap(self, gap_s: float, *, after_tool_calls: bool) -> None:
         (self._tool_gap if after_tool_calls else self._idle_gap).observe(gap_s)
@@ -132,7 +142,7 @@ class GrowthPredictor:
         if self._last is not None and prompt_tokens > 0:
             appended = prompt_tokens - self._last[0] - self._last[1]
             if appended >= 0 and self._pending_tools:
-                share = appended / len(self._pending_tools)
+                share = appended / self._pending_count
                 for key in self._pending_tools:
                     self._update(self._appended, key, 1, share)
                 self._tool_appended.observe(appended)
@@ -141,6 +151,7 @@ class GrowthPredictor:
         if prompt_tokens > 0:
             self._last = (prompt_tokens, output_tokens)
         self._pending_tools.clear()
+        self._pending_count = 0
         self._output.observe(output_tokens)
         self._tool_call_rate += _RATE_ALPHA * (float(called_tools) - self._tool_call_rate)
 
@@ -180,7 +191,8 @@ class GrowthPredictor:
             stat.observe(value)
 
     def _stat(self, table: dict[str, _LogStat], key: str, which: int) -> _LogStat:
-        stat = table.get(key)
+        """``key``'s statistic, moved to the end of ``table`` (kept in observation order)."""
+        stat = table.pop(key, None)
         if stat is None:
             name = key.split(":", 1)[0]
             if key != name and sum(k.startswith(name + ":") for k in table) >= (
@@ -188,7 +200,10 @@ class GrowthPredictor:
             ):
                 # Unbounded distinct arguments (paths, patterns): learn into the tool instead.
                 return self._stat(table, name, which)
-            stat = table[key] = _LogStat(_prior(name)[which])
+            if len(table) >= _MAX_TOOL_KEYS:
+                del table[next(iter(table))]  # the least recently observed
+            stat = _LogStat(_prior(name)[which])
+        table[key] = stat
         return stat
 
     def _estimate(self, table: dict[str, _LogStat], key: str, which: int) -> float:

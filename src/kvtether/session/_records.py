@@ -1,4 +1,5 @@
-"""What a session remembers: one record per model request (turn), per tool run, per incident."""
+"""What a session remembers: one record per model request (turn), per tool run, per incident,
+and totals over all of them (a session lists only the most recent ones)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ from dataclasses import dataclass, field
 
 from kvtether.protocol import ReuseOutcome, TurnHints
 
-__all__ = ["PrefixStatus", "PrefixCheck", "ToolRun", "Turn", "SessionEvent", "EventKind"]
+__all__ = [
+    "PrefixStatus",
+    "PrefixCheck",
+    "ToolRun",
+    "Turn",
+    "SessionEvent",
+    "EventKind",
+    "SessionTotals",
+]
 
 
 class PrefixStatus(str, enum.Enum):
@@ -118,3 +127,23 @@ class SessionEvent:
     detail: str
     at_unix_s: float
     turn: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionTotals:
+    """Counts over every turn, tool run and event of a session, including the early ones that
+    ``session.turns`` / ``tool_runs`` / ``events`` no longer list (``unlisted_*``)."""
+
+    turns: int = 0
+    unlisted_turns: int = 0
+    fired: int = 0
+    eligible: int = 0
+    errors: int = 0  # turns whose request failed (outcome "error")
+    reused_tokens: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    tool_time_s: float = 0.0  # time in tools after a turn, before the next one
+    tool_runs: int = 0
+    unlisted_tool_runs: int = 0
+    events: dict[EventKind, int] = field(default_factory=dict)  # by kind
+    unlisted_events: int = 0

@@ -1,12 +1,16 @@
-"""``Session.report()``: a plain-text table a person can read in a terminal or a log."""
+"""``Session.report()``: a plain-text table a person can read in a terminal or a log.
+
+The table shows the turns the session lists (its most recent ones); the summary line counts
+every turn, from the session's totals.
+"""
 
 from __future__ import annotations
 
 import statistics
-from collections import Counter
 from collections.abc import Sequence
 
-from kvtether.session._records import SessionEvent, Turn
+from kvtether.session._ledger import totals_of
+from kvtether.session._records import SessionTotals, Turn
 
 __all__ = ["format_report"]
 
@@ -59,24 +63,16 @@ def format_report(
     conversation_id: str,
     base_url: str | None,
     turns: Sequence[Turn],
-    events: Sequence[SessionEvent],
+    totals: SessionTotals | None = None,
 ) -> str:
+    """``totals``: over every turn, listed or not (default: over ``turns``)."""
+    totals = totals if totals is not None else totals_of(turns)
     lines = [f"kvtether session {conversation_id} · router {base_url or '(unknown)'}"]
     lines.append("  ".join(_cell(name, width) for name, width in _COLUMNS).rstrip())
     for t in turns:
         cells = zip(_row(t), _COLUMNS, strict=True)
         lines.append("  ".join(_cell(v, w) for v, (_, w) in cells).rstrip())
-    fired = sum(t.fired for t in turns)
-    eligible = sum(t.eligible for t in turns)
-    reused = sum(t.reused_tokens for t in turns)
-    prompt = sum(t.prompt_tokens for t in turns)
-    tool_s = sum(t.tool_time_s for t in turns)
-    share = f" ({reused / prompt:.0%})" if prompt else ""
-    rate = f" ({fired / eligible:.0%})" if eligible else ""
-    lines.append(
-        f"fired {fired}/{eligible} eligible turns{rate}, {len(turns)} in all · reused "
-        f"{reused:,} of {prompt:,} prompt tokens{share} · tool time {tool_s:.1f} s"
-    )
+    lines.append(_summary(totals))
     errors = [
         abs(t.predicted_prompt_tokens - t.prompt_tokens) / t.prompt_tokens
         for t in turns
@@ -89,10 +85,23 @@ def format_report(
         )
     if (where := _where_time_went(turns)) is not None:
         lines.append(where)
-    if events:
-        counts = Counter(e.kind.value for e in events)
-        lines.append("events: " + ", ".join(f"{k} x{n}" for k, n in counts.items()))
+    if totals.events:
+        counts = ", ".join(f"{kind.value} x{n}" for kind, n in totals.events.items())
+        lines.append(f"events: {counts}")
     return "\n".join(lines)
+
+
+def _summary(t: SessionTotals) -> str:
+    """Every turn's totals in one line, saying how many early turns the table leaves out."""
+    rate = f" ({t.fired / t.eligible:.0%})" if t.eligible else ""
+    share = f" ({t.reused_tokens / t.prompt_tokens:.0%})" if t.prompt_tokens else ""
+    errors = f", {t.errors} failed" if t.errors else ""
+    unlisted = f", the first {t.unlisted_turns:,} not listed" if t.unlisted_turns else ""
+    return (
+        f"fired {t.fired:,}/{t.eligible:,} eligible turns{rate}, {t.turns:,} in all{errors}"
+        f"{unlisted} · reused {t.reused_tokens:,} of {t.prompt_tokens:,} prompt tokens{share}"
+        f" · tool time {t.tool_time_s:.1f} s"
+    )
 
 
 def _where_time_went(turns: Sequence[Turn]) -> str | None:

@@ -59,6 +59,14 @@ class SessionSettings(BaseSettings):
     send_hints: bool = Field(
         default=True, description="send X-KVTether-Hints (next-turn predictions) on each request"
     )
+    max_turn_records: int = Field(
+        default=500,
+        ge=1,
+        description="turn records a session lists (session.turns), the most recent ones; tool "
+        "runs and events are listed up to as many each. Older ones are dropped, so a "
+        "conversation that never ends stays bounded; session.totals and the report's summary "
+        "still count every turn",
+    )
     release_at_exit: bool = Field(
         default=True,
         description="release the lease when the session is garbage-collected or the "

@@ -1,9 +1,10 @@
 """``SessionState``: everything one conversation remembers, behind one lock.
 
-The turn ledger (turns, tool runs, events), the client's view of its lease, prefix tracking and
-growth prediction. Every helper that reports into a session does it through the methods here:
-the OpenAI transport (any thread, any event loop), heartbeat threads and tasks, tool and step
-scopes, and the twins' release and status calls. None of them touches a field; every mutation
+The turn ledger (the most recent turns, tool runs and events, and totals over all of them:
+``_ledger.py``), the client's view of its lease, prefix tracking and growth prediction. Every
+helper that reports into a session does it through the methods here: the OpenAI transport
+(any thread, any event loop), heartbeat threads and tasks, tool and step scopes, and the twins'
+release and status calls. None of them touches a field; every mutation
 happens under ``_lock``. Nothing here does network I/O, except the exit finalizer, which has no
 session left to do it.
 """
@@ -31,9 +32,17 @@ from kvtether.session._lease import (
     session_url,
 )
 from kvtether.session._lease import unavailable as _unavailable
+from kvtether.session._ledger import Ledger
 from kvtether.session._predict import GrowthPredictor, PromptSizer
 from kvtether.session._prefix import PrefixTracker, describe, warn_break
-from kvtether.session._records import EventKind, PrefixStatus, SessionEvent, ToolRun, Turn
+from kvtether.session._records import (
+    EventKind,
+    PrefixStatus,
+    SessionEvent,
+    SessionTotals,
+    ToolRun,
+    Turn,
+)
 from kvtether.session._settings import SessionSettings
 
 __all__ = ["SessionState", "CURRENT_STEP", "Clock", "ToolCallListener"]
@@ -66,9 +75,8 @@ class SessionState:
         # Reentrant: a finalizer run by the garbage collector may fire in a thread holding it.
         self._lock = threading.RLock()
         self._lease = LeaseState(conversation_id, settings.base_url, settings.request_timeout_s)
-        self._turns: list[Turn] = []
-        self._tool_runs: list[ToolRun] = []
-        self._events: list[SessionEvent] = []
+        # Bounded: a pooled conversation may never end (totals still cover every turn).
+        self._ledger = Ledger(settings.max_turn_records)
         self._warned: set[str] = set()
         self._prefix = PrefixTracker()
         self._predictor = GrowthPredictor()
@@ -108,15 +116,24 @@ class SessionState:
 
     def turns(self) -> list[Turn]:
         with self._lock:
-            return list(self._turns)
+            return list(self._ledger.turns)
 
     def tool_runs(self) -> list[ToolRun]:
         with self._lock:
-            return list(self._tool_runs)
+            return list(self._ledger.tool_runs)
 
     def events(self) -> list[SessionEvent]:
         with self._lock:
-            return list(self._events)
+            return list(self._ledger.events)
+
+    def totals(self) -> SessionTotals:
+        with self._lock:
+            return self._ledger.totals()
+
+    def report_records(self) -> tuple[list[Turn], SessionTotals]:
+        """The listed turns and the totals, taken together (for the report)."""
+        with self._lock:
+            return list(self._ledger.turns), self._ledger.totals()
 
     def replies(self) -> dict[int, Any]:
         """The model's replies as it sent them, by message index, for ``stable_history``."""
@@ -221,7 +238,7 @@ class SessionState:
         """A model request is about to leave: number it, check its prefix, attach hints."""
         step = CURRENT_STEP.get()
         with self._lock:
-            last = self._turns[-1] if self._turns else None
+            last = self._ledger.last_turn
             retrying = retry > 0 and last is not None and last.outcome == "error"
             ex = Exchange(
                 turn=last.turn if retrying and last else self._next_turn,
@@ -290,10 +307,7 @@ class SessionState:
         """The response ended (or the request failed): record the turn, learn from it."""
         turn = ex.to_turn()
         with self._lock:
-            if self._turns and self._turns[-1].turn == turn.turn:
-                self._turns[-1] = turn  # a retry replaces its failed attempt
-            else:
-                self._turns.append(turn)
+            self._ledger.add_turn(turn)
             if ex.status_code is None:
                 self._record_locked(EventKind.REQUEST_FAILED, ex.error or "", turn.turn)
             if turn.outcome != "error" and ex.completed:
@@ -326,9 +340,10 @@ class SessionState:
     def tool_started(self, name: str, key: str, eta_s: float | None) -> ToolRun:
         with self._lock:
             predicted = eta_s if eta_s is not None else self._predictor.tool_duration_s(key)
-            after = self._turns[-1].turn if self._turns else 0
+            last = self._ledger.last_turn
+            after = last.turn if last is not None else 0
             run = ToolRun(name=name, key=key, after_turn=after, eta_s=eta_s, predicted_s=predicted)
-            self._tool_runs.append(run)
+            self._ledger.add_tool_run(run)
             guess = self._predictor.at_tool(key, eta_s=eta_s)
             self._predicted_next_tokens = guess.next_prompt_tokens
         return run
@@ -337,11 +352,7 @@ class SessionState:
         with self._lock:
             run.duration_s, run.ok, run.error = duration_s, error is None, error
             self._predictor.observe_tool(run.key, duration_s)
-            for turn in reversed(self._turns):
-                if turn.turn == run.after_turn:
-                    turn.tools.append(run.name)
-                    turn.tool_time_s += duration_s
-                    break
+            self._ledger.tool_finished(run)
 
     def next_step(self) -> int:
         with self._lock:
@@ -395,9 +406,9 @@ class SessionState:
             self._record_locked(kind, detail, turn)
 
     def _record_locked(self, kind: EventKind, detail: str, turn: int | None) -> None:
-        if turn is None and self._turns:
-            turn = self._turns[-1].turn
-        self._events.append(SessionEvent(kind, detail, time.time(), turn))
+        if turn is None and (last := self._ledger.last_turn) is not None:
+            turn = last.turn
+        self._ledger.add_event(SessionEvent(kind, detail, time.time(), turn))
 
     def warn_once(self, key: str, message: str, *args: Any) -> None:
         """Log ``message`` as a warning the first time ``key`` comes up, later at debug level."""
