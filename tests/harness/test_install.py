@@ -34,10 +34,11 @@ def test_writes_the_hooks_once(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert list(settings["hooks"]) == EVENTS
     for event in EVENTS:
         assert commands(settings, event) == [claude_code_command()]
-    # Only the tool-end hooks hold the harness up (they only touch a file).
+    # Only the tool-end hooks (they only touch a file) and the session's release (one DELETE,
+    # which must land before `claude -p` exits) hold the harness up.
     hooks = {e: settings["hooks"][e][0]["hooks"][0] for e in EVENTS}
     assert {e for e, h in hooks.items() if not h.get("async")} == {
-        "PostToolUse", "PostToolUseFailure"}
+        "PostToolUse", "PostToolUseFailure", "SessionEnd"}
     assert {settings["hooks"][e][0].get("matcher") for e in EVENTS[:3]} == {"*"}
 
 

@@ -69,6 +69,21 @@ def test_a_harness_as_shipped_runs_and_its_continued_run_fires(
     assert later[0]["reused_tokens"] >= turns[-1]["prompt_tokens"] - agents_stack.block_size_tokens
 
 
+@pytest.mark.parametrize("name", ["claude", "opencode"])
+def test_with_kvtether_s_hooks_the_kv_is_released_when_the_harness_exits(
+    agents_stack, tmp_path: Path, name: str
+) -> None:
+    harness = Harness(name, agents_stack.base_url, agents_stack.model, tmp_path / name,
+                      hooks=True)
+    run = harness.run("list the files in this directory")
+    _assert_answered(run)
+    status = _session(agents_stack, run.session_id)
+    assert status["turns"] or status["branches"], status
+    # Released at the session's end (Claude Code's SessionEnd hook, OpenCode's plugin on exit).
+    assert all(b["retained_tokens"] == 0 for b in [status, *status["branches"]]), status
+    assert status["lease_state"] == "released", status
+
+
 def test_the_readme_curl_lines_run_as_written(agents_stack) -> None:
     import json
 

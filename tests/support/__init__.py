@@ -13,6 +13,9 @@ router are defined next to it and imported into each conftest that serves it.
 - :mod:`~tests.support.router_harness`: the router in-process over the fakes (``make_router``).
 - :mod:`~tests.support.load`: many agent conversations at once through that router.
 - :mod:`~tests.support.redis_server`: a real redis-server for the store tests.
+- :mod:`~tests.support.harness_replay`: the recorded coding-agent sessions
+  (``tests/fixtures/harnesses``) replayed on a router, each earlier answer replaced by the
+  stack's.
 - :mod:`~tests.support.stacks`: what the real-vLLM tests share (ports, stack handles,
   supervision, in-process routers over a stack).
 - :mod:`~tests.support.public_api`: the static check that the integrations read no other

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,12 +49,19 @@ class Harness:
     """One harness with a home of its own, pointed at ``base_url`` (a kvtether router)."""
 
     def __init__(self, name: str, base_url: str, model: str, home: Path,
-                 api_key: str = "kvtether-test") -> None:
+                 api_key: str = "kvtether-test", *, hooks: bool = False) -> None:
         self.name, self.base_url, self.model, self.home = name, base_url, model, home
         self.api_key = api_key
         self.work = home / "work"
         self.work.mkdir(parents=True, exist_ok=True)
         getattr(self, f"_configure_{name}")()
+        if hooks:  # kvtether's hook integration, installed as docs/coding-agents.md says
+            self.env.update(KVTETHER_URL=base_url, KVTETHER_API_KEY=api_key)
+            where = (["--settings", str(home / ".claude" / "settings.json")] if name == "claude"
+                     else ["--dir", str(home / ".config" / "opencode" / "plugins")])
+            target = {"claude": "claude-code", "opencode": "opencode"}[name]
+            subprocess.run([sys.executable, "-m", "kvtether", "hook", "install", target, *where],
+                           check=True, capture_output=True, timeout=120)
 
     # ----------------------------------------------------------------- configuration
     def _base_env(self) -> dict[str, str]:
@@ -87,13 +95,18 @@ class Harness:
         config_dir.mkdir(parents=True, exist_ok=True)
         config = config_dir / "opencode.json"
         config.write_text(json.dumps(opencode_config(self.base_url, self.model), indent=2))
-        # OpenCode runs npm at every start to install its plugin API into the config directory
-        # unless it is there already.
+        # OpenCode runs npm against the registry at every start unless its plugin API is in the
+        # config directory's node_modules and its package-lock.json's root package lists it.
         plugin = HARNESS_DIR / "node_modules" / "@opencode-ai"
         target = config_dir / "node_modules" / "@opencode-ai"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copytree(plugin, target, symlinks=True)
+        version = json.loads((plugin / "plugin" / "package.json").read_text())["version"]
+        deps = {"@opencode-ai/plugin": version}
+        (config_dir / "package.json").write_text(json.dumps({"dependencies": deps}))
+        (config_dir / "package-lock.json").write_text(json.dumps(
+            {"lockfileVersion": 3, "packages": {"": {"dependencies": deps}}}))
         self.env = {
             **self._base_env(), "OPENCODE_CONFIG": str(config), "KVTETHER_API_KEY": self.api_key,
             "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",

@@ -61,8 +61,9 @@ def claude_code_command() -> str:
 def claude_code_hooks(command: str | None = None) -> dict[str, list[dict[str, Any]]]:
     """The ``hooks`` entries, by event. The tool-start hook runs in the background
     (``async``: it only starts a beater); the tool-end hook runs in the foreground, so that
-    its beater has stopped before the harness sends its next request; the release hooks in
-    the background."""
+    its beater has stopped before the harness sends its next request; the subagent's release
+    in the background; the session's release in the foreground (a DELETE, milliseconds), since
+    a harness that exits does not wait for its background hooks (`claude -p`)."""
     command = command or claude_code_command()
 
     def entry(run_async: bool) -> dict[str, Any]:
@@ -73,7 +74,7 @@ def claude_code_hooks(command: str | None = None) -> dict[str, list[dict[str, An
 
     hooks = {TOOL_START: [{"matcher": "*", **entry(True)}]}
     hooks |= {event: [{"matcher": "*", **entry(False)}] for event in TOOL_END}
-    hooks |= {event: [entry(True)] for event in (SUBAGENT_END, SESSION_END)}
+    hooks |= {SUBAGENT_END: [entry(True)], SESSION_END: [entry(False)]}
     return hooks
 
 
