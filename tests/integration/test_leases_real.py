@@ -15,6 +15,8 @@ import uuid
 import httpx
 import pytest
 
+from kvtether import protocol as p
+
 from tests.support.stacks import serve_router
 from tests.support.waiting import wait_for
 
@@ -61,8 +63,11 @@ class Conv:
         # slow reference call must not eat into it before the test's next step.
         ref = (httpx.post(f"{self.ref}/v1/chat/completions", json=body, timeout=600).json()
                if check else None)
+        # Hints (none in particular) mark a kvtether client, whose leases are lease_ttl_s; a
+        # client that sends none is held as a coding agent is (docs/leases.md).
         r = httpx.post(f"{url or self.url}/v1/chat/completions", json=body,
-                       headers={"X-Conversation-Id": self.cid}, timeout=600)
+                       headers={"X-Conversation-Id": self.cid, p.HEADER_HINTS: "{}"},
+                       timeout=600)
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         if ref is not None:
