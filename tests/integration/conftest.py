@@ -89,8 +89,11 @@ def reference_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Referen
     tmp = tmp_path_factory.mktemp("reference")
     settings = _settings(tmp)
     with start_reference_vllm(settings, port=PORT_BASE + 99) as url:
+        # By its port: the coding-agent reference may be running beside it.
+        port = str(PORT_BASE + 99)
         server = next(p for p in psutil.Process(os.getpid()).children()
-                      if "--no-enable-prefix-caching" in p.cmdline())
+                      if "--no-enable-prefix-caching" in p.cmdline()
+                      and port in p.cmdline())
         procs = [server, *server.children(recursive=True)]
         # The first request on a fresh CPU vLLM is slow; no test should time it.
         httpx.post(f"{url}/v1/completions", timeout=600, json={
