@@ -34,7 +34,8 @@ test-compat: setup
 test-fast: setup
 	$(PY) -m pytest tests $(INTEGRATION_TESTS) -m "not vllm and not soak" $(PYTEST_ARGS)
 
-# The four-strategy comparison (~25 min on 2 cores); results in .kvtether/bench/results-*/.
+# kvtether bench: every strategy on one scenario; results in .kvtether/bench/results-*/ unless
+# BENCH_ARGS names --out. What it measures and how to read it: docs/benchmark.md.
 bench: setup
 	$(PY) -m kvtether bench $(BENCH_ARGS)
 

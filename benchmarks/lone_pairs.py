@@ -29,8 +29,9 @@ seconds, while ``--compress`` shortens the leases to the bench's floor (12-14 s 
 that comes after its lease ended goes decode's prefix-cache way (``lapsed``), as a conversation
 does after a person's pause of a minute at 1x.
 
-    python -m benchmarks.lone_pairs --scenario docs/benchmarks/sweep-local-prefill/scenario.json \\
-        --repeat 3 --json /tmp/lone.json
+    python -m kvtether bench generate --sessions 16 --turns 4 6 --long-tools 0 \\
+        --out /tmp/scenario.json
+    python -m benchmarks.lone_pairs --scenario /tmp/scenario.json --repeat 3 --json /tmp/lone.json
 """
 
 from __future__ import annotations
