@@ -1,5 +1,5 @@
 """`kvtether bench`: scenarios, per-turn outcomes, metrics and reports (no vLLM), and one small
-real run of all four strategies (the CI smoke test: it completes and its metrics agree)."""
+real run of every strategy (the CI smoke test: it completes and its metrics agree)."""
 
 from __future__ import annotations
 
@@ -157,11 +157,14 @@ def test_targets_and_markdown_report_what_was_measured(tmp_path: Path) -> None:
     assert rows["retained KV token-s vs fixed TTL (pd-upstream)"]["met"] is False
     result = _result(summary)
     md = report.render_markdown(result)  # type: ignore[arg-type]
-    assert "| kvtether | 10/10 (100%)" in md and "**no**" in md and "16x" in md
+    assert "| kvtether | 1.500 / 3.000 | - | 10/10 (100%) |" in md
+    assert "**no**" in md and "16x" in md
+    # kvtether over each other strategy: its TTFT p50 1.5 s over colocated's 1.0 s.
+    assert "| colocated | 1.50x | - | - | - |" in md
     paths = report.write_results(result, tmp_path)  # type: ignore[arg-type]
     paths += report.write_plots(result, tmp_path)  # type: ignore[arg-type]
     assert {p.name for p in paths} == {"results.json", "results.md", "reuse_by_turn.png",
-                                       "ttft_cdf.png", "retained_kv.png"}
+                                       "ttft_cdf.png", "retained_kv.png", "ttft_tpot.png"}
 
 
 def test_each_turn_against_the_reference_s_same_turn_apart_from_the_spread() -> None:
@@ -211,7 +214,7 @@ def test_generate_writes_a_scenario(tmp_path: Path, capsys: pytest.CaptureFixtur
 # --- the real thing, small -------------------------------------------------------------------
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)
-def test_a_small_real_run_of_all_four_strategies(tmp_path: Path) -> None:
+def test_a_small_real_run_of_every_strategy(tmp_path: Path) -> None:
     """The CI smoke test: every strategy replays the same small scenario on real vLLM."""
     out = tmp_path / "out"
     code = compare.main([
@@ -223,7 +226,15 @@ def test_a_small_real_run_of_all_four_strategies(tmp_path: Path) -> None:
     assert code == 0
     data = json.loads((out / "results.json").read_text())
     s = data["summary"]
-    assert list(s) == ["colocated", "pd-oneway", "pd-upstream", "kvtether"]
+    assert list(s) == ["colocated", "colocated-instance", "colocated-dp", "pd-oneway",
+                       "pd-upstream", "kvtether"]
+    # Every colocated deployment has the P/D stack's cores; colocated-dp one engine per core,
+    # each conversation kept on one replica (its prefix cache serves the later turns).
+    detail = data["strategies"]
+    assert detail["colocated"]["cores"] == detail["kvtether"]["cores"] == "0-1"
+    assert detail["colocated-instance"]["cores"] == "0"
+    assert (detail["colocated-dp"]["cores"], detail["colocated-dp"]["instances"]) == ("0-1", 2)
+    assert s["colocated-dp"]["reused_tokens"] > 0
     for name, m in s.items():
         assert m["turns"] == 6 and m["failed_turns"] == 0, name
         assert m["eligible_turns"] >= 1 and m["ttft_turns"] >= 1, name
@@ -240,7 +251,17 @@ def test_a_small_real_run_of_all_four_strategies(tmp_path: Path) -> None:
     assert s["pd-upstream"]["retained_kv_token_s"] > 0
     assert {p.name for p in out.iterdir()} >= {"results.json", "results.md", "scenario.json",
                                                "reuse_by_turn.png", "ttft_cdf.png",
-                                               "retained_kv.png"}
+                                               "retained_kv.png", "ttft_tpot.png"}
+    # The figures a user decides with, beside TTFT: every strategy streamed some turns 2+ and
+    # its processes used CPU; the P/D strategies moved KV from prefill to decode.
+    for name, m in s.items():
+        assert m["tpot_turns"] >= 1 and m["tpot_p50_s"] > 0, name
+        assert m["core_s_per_turn"] > 0, name
+    for name in ("pd-oneway", "pd-upstream", "kvtether"):
+        assert s[name]["kv_p2d_bytes"] > 0 and s[name]["kv_p2d_read_p50_s"] is not None, name
+    assert s["kvtether"]["kv_bytes_per_token"] > 0
+    assert s["kvtether"]["kv_d2p_bytes"] is not None  # 0 where every reuse was local
+    assert s["colocated"]["kv_p2d_bytes"] is None
     assert not list((tmp_path / "state").glob("*/stack.json"))  # every stack stopped
 
 

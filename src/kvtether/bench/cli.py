@@ -1,8 +1,13 @@
 """`kvtether bench`: benchmarks that start real stacks.
 
 * ``kvtether bench [options]`` (or ``kvtether bench compare``) — replay agent sessions against
-  four strategies side by side (:mod:`kvtether.bench.compare`).
+  every strategy side by side (:mod:`kvtether.bench.compare`).
 * ``kvtether bench generate --out FILE`` — write a seeded scenario file.
+* ``kvtether bench crossover`` — context length x concurrency: where P/D + kvtether beats a
+  colocated vLLM on this host (:mod:`kvtether.bench.crossover`).
+* ``kvtether bench traces PATH... [--predict] [--out FILE]`` — recorded coding-agent traces:
+  the client's growth prediction scored on them, or a scaled scenario made from them
+  (:mod:`kvtether.bench.traces`).
 * ``kvtether bench idle`` — idle CPU, turn times and NIXL read times, stock vs kvtether
   (:mod:`kvtether.bench.idle`).
 """
@@ -20,6 +25,14 @@ def main(argv: list[str] | None = None) -> int:
         from kvtether.bench.idle import main as idle_main
 
         return idle_main(args[1:])
+    if args[:1] == ["crossover"]:
+        from kvtether.bench.crossover import main as crossover_main
+
+        return crossover_main(args[1:])
+    if args[:1] == ["traces"]:
+        from kvtether.bench.traces import main as traces_main
+
+        return traces_main(args[1:])
     if args[:1] == ["generate"]:
         from kvtether.bench.compare import generate_main
 

@@ -1,4 +1,4 @@
-"""`kvtether bench` (``compare``): replay agent sessions against four strategies, side by side.
+"""`kvtether bench` (``compare``): replay agent sessions against every strategy, side by side.
 
 One scenario (generated from a seed, or read from a file), one time-compression factor, the
 strategies one after the other on this host, each started fresh and stopped before the next
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtether.bench import report
-from kvtether.bench.metrics import mark_divergence, summarize
+from kvtether.bench.metrics import mark_divergence, summarize_replay
 from kvtether.bench.scenario import Scenario, ScenarioError, generate_scenario, load_scenario
 from kvtether.bench.strategies import (
     FIXED_TTL_S,
@@ -93,7 +93,8 @@ def _generate(args: argparse.Namespace) -> Scenario:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvtether bench",
-        description="Replay agent sessions against colocated vLLM, P/D one-way, P/D "
+        description="Replay agent sessions against colocated vLLM (one engine on the P/D "
+        "stack's cores, one on one instance's, replicas behind vllm-router), P/D one-way, P/D "
         "bidirectional as upstream ships it, and kvtether; compare reuse, TTFT, recomputed "
         "tokens, retained KV, output identity. Other benchmarks: `kvtether bench idle`, "
         "`kvtether bench generate` (write a scenario file).",
@@ -102,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="scenario file (kvtether JSON, or vLLM benchmarks/multi_turn "
                         "conversations); default: generate one")
     parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES),
-                        default=list(STRATEGIES), help="default: all four")
+                        default=list(STRATEGIES),
+                        help="run in the order given; default: all, in this order ("
+                        "colocated first: its outputs are the reference)")
     parser.add_argument("--profile", default="cpu-bench",
                         help="stack profile (default cpu-bench: SmolLM2 at 2-4K contexts; "
                         "cpu-tiny for a quick run, gpu on a GPU box)")
@@ -203,11 +206,13 @@ def run(args: argparse.Namespace, scenario: Scenario, command: str, *,
     for name, data in strategies.items():
         r = data["replay"]
         kv = [(s.t_s, s.tokens) for s in r.kv]
-        m = summarize(name, r.turns, kv, wall_s=r.wall_s, drain_s=r.drain_s,
-                      compress=args.compress, not_run=r.not_run)
+        m = summarize_replay(name, r, compress=args.compress)
         summary[name] = m.as_dict()
         detail[name] = {
             "description": STRATEGIES[name].description,
+            # The hardware it ran on: CPU cores ("0-1"; None on GPU hosts) and engines.
+            "cores": data["endpoints"].cores,
+            "instances": data["endpoints"].instances,
             "kv_capacity_tokens": r.kv_capacity_tokens,
             "turns": [t.as_dict() for t in r.turns],
             "kv": kv,
@@ -248,13 +253,15 @@ def _print_table(result: dict[str, Any]) -> None:
     meta = result["run"]
     table = Table(title=f"kvtether bench — {meta['scenario']['name']}, profile "
                   f"{meta['profile']}, time compression {meta['compress']:g}x")
-    for col in ("strategy", "reuse", "TTFT p50/p99 s", "recomputed", "KV token-s",
-                "divergent", "failed"):
+    for col in ("strategy", "reuse", "TTFT p50/p99 s", "TPOT p50/p99 ms", "core-s/turn",
+                "recomputed", "KV token-s", "divergent", "failed"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     for name, m in result["summary"].items():
         table.add_row(
             name, f"{m['fired_turns']}/{m['eligible_turns']}",
             f"{report._fmt(m['ttft_p50_s'], 2)}/{report._fmt(m['ttft_p99_s'], 2)}",
+            f"{report._ms(m['tpot_p50_s'])}/{report._ms(m['tpot_p99_s'])}",
+            report._fmt(m["core_s_per_turn"], 2),
             str(m["recomputed_tokens"]), f"{m['retained_kv_token_s_workload']:.0f}",
             "ref" if name == meta["reference"] else report._fmt(m["divergent_outputs"]),
             str(m["failed_turns"]),

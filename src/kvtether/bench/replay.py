@@ -10,12 +10,20 @@ the time-compression factor. For the ``kvtether`` strategy the OpenAI client is 
 renew the lease) and the session is closed (its KV released) at the end; the other strategies
 use the plain SDK, the way they are deployed.
 
-Per turn it records TTFT (streamed turns: first token), latency, prompt and output token ids
-(``return_token_ids``), the cached tokens the server reports and the router's outcome label,
-and from the token ids the turn's honest reuse outcome (:mod:`kvtether.bench.metrics`). A
-sampler reads ``vllm:kv_cache_usage_perc`` of the instances that hold KV every
-``sample_every_s`` for the retained-KV curve, and keeps sampling after the last session until
-that KV is gone (so a fixed TTL's tail is counted).
+Per turn it records TTFT (streamed turns: first token), TPOT and the gaps between tokens
+(streamed turns: :func:`_call`), latency, prompt and output token ids (``return_token_ids``),
+the cached tokens the server reports and the router's outcome label, and from the token ids
+the turn's honest reuse outcome (:mod:`kvtether.bench.metrics`). A sampler reads
+``vllm:kv_cache_usage_perc`` of the instances that hold KV every ``sample_every_s`` for the
+retained-KV curve, and keeps sampling after the last session until that KV is gone (so a
+fixed TTL's tail is counted).
+
+Per replay it also records the CPU time of every process the strategy started (all are
+descendants of the bench process: :class:`~kvtether.bench._measure.DescendantCPU`, polled with
+each KV sample), over the sessions and over the drain after them, and the NIXL reads of the
+instances named in ``nixl_urls`` (their ``vllm:nixl_bytes_transferred`` and
+``vllm:nixl_xfer_time_seconds`` histograms, scraped before and after), with the served model's
+KV bytes per token (its ``config.json``, found through ``/v1/models``' ``root``).
 """
 
 from __future__ import annotations
@@ -25,15 +33,22 @@ import hashlib
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 
 from kvtether import protocol as p
-from kvtether.bench._measure import metric_families
+from kvtether.bench._measure import (
+    DescendantCPU,
+    NixlTotals,
+    kv_bytes_per_token,
+    metric_families,
+    nixl_totals,
+)
 from kvtether.bench.metrics import TurnResult, classify
 from kvtether.bench.scenario import Scenario, ScenarioSession
 from kvtether.bench.strategies import Endpoints, Strategy
@@ -71,6 +86,14 @@ class ReplayResult:
     drain_s: float = 0.0  # after that, until the held KV was gone (or the cap)
     kv_capacity_tokens: dict[str, int] = field(default_factory=dict)
     not_run: int = 0  # turns after a failed turn in the same session
+    # CPU seconds (user + system) of the processes the strategy started, over wall_s and over
+    # drain_s (not this client's own).
+    core_s: float | None = None
+    drain_core_s: float | None = None
+    # Per role of ``nixl_urls`` ("decode": P->D reads; "prefill": D->P reads): NIXL reads
+    # during the replay, NixlTotals.summary().
+    nixl: dict[str, dict[str, Any]] = field(default_factory=dict)
+    kv_bytes_per_token: int | None = None  # the served model's, from its config.json
 
 
 async def _kv_capacity(client: httpx.AsyncClient, url: str) -> int:
@@ -85,6 +108,17 @@ async def _kv_capacity(client: httpx.AsyncClient, url: str) -> int:
     return 0
 
 
+async def _kv_bytes_per_token(client: httpx.AsyncClient, url: str) -> int | None:
+    """The served model's KV bytes per token, from the ``config.json`` in the directory vLLM
+    reports as the model's ``root`` (the bench runs on the serving host); None when unknown."""
+    try:
+        models = (await client.get(f"{url}/v1/models")).json().get("data") or []
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    root = models[0].get("root") if models and isinstance(models[0], dict) else None
+    return kv_bytes_per_token(Path(root)) if root else None
+
+
 async def _kv_usage(client: httpx.AsyncClient, url: str) -> float:
     text = (await client.get(f"{url}/metrics")).text
     return sum(s.value for family in metric_families(text, "vllm:kv_cache_usage_perc")
@@ -95,6 +129,7 @@ class _Sampler:
     def __init__(self, urls: list[str], capacity: dict[str, int], every_s: float) -> None:
         self.urls, self.capacity, self.every_s = urls, capacity, every_s
         self.samples: list[KVSample] = []
+        self.cpu = DescendantCPU()
         self.t0 = time.monotonic()
 
     async def sample(self, client: httpx.AsyncClient) -> float:
@@ -103,6 +138,9 @@ class _Sampler:
         tokens = sum(v * self.capacity.get(u, 0) for u, v in zip(self.urls, values, strict=True)
                      if isinstance(v, float))
         self.samples.append(KVSample(round(time.monotonic() - self.t0, 3), round(tokens, 1)))
+        # Off the event loop: walking the process tree takes a few milliseconds, which would
+        # land in the first-token and inter-token times the loop measures.
+        await asyncio.to_thread(self.cpu.poll)
         return tokens
 
     async def run(self, client: httpx.AsyncClient, stop: asyncio.Event) -> None:
@@ -129,10 +167,28 @@ async def _parsed(raw: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
+def token_times(arrivals: list[tuple[float, int]]) -> tuple[float | None, list[float]]:
+    """TPOT and the inter-token gaps of one streamed answer, from its chunks that carried
+    tokens: (arrival time, how many tokens).
+
+    TPOT: from the first token's chunk to the last one's, over the tokens after the first
+    (vLLM's own benchmark's definition; None below two tokens). Gaps: one per chunk after the
+    first, the time since the chunk before, not divided among a chunk's tokens: a chunk of
+    several tokens after a stall is one stall, as a reader of the stream sees it.
+    """
+    tokens = sum(n for _, n in arrivals)
+    tpot = ((arrivals[-1][0] - arrivals[0][0]) / (tokens - 1)) if tokens >= 2 else None
+    gaps = [b[0] - a[0] for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    return tpot, gaps
+
+
 async def _call(client: Any, endpoints: Endpoints, strategy: Strategy, cid: str,
                 messages: list[dict[str, str]], max_tokens: int, stream: bool
                 ) -> tuple[dict[str, Any], Any]:
-    """One model call; returns what the turn record needs, and the response headers."""
+    """One model call; returns what the turn record needs, and the response headers.
+
+    A streamed call records when each chunk that carries tokens (``token_ids`` over its
+    choices; one chunk may carry several) arrived, for :func:`token_times`."""
     extra_body: dict[str, Any] = {"return_token_ids": True}
     if strategy.body_conversation_id:
         extra_body[p.BODY_CONVERSATION_ID] = cid
@@ -141,28 +197,39 @@ async def _call(client: Any, endpoints: Endpoints, strategy: Strategy, cid: str,
                                   extra_body=extra_body)
     if stream:
         kwargs["stream_options"] = {"include_usage": True}
+    if strategy.session_header:  # what a session-affinity router hashes (colocated-dp)
+        kwargs["extra_headers"] = {strategy.session_header: cid}
     sent_unix_s = time.time()  # against the router's clock (same host): client_to_router
     start = time.perf_counter()
     raw = await client.chat.completions.with_raw_response.create(**kwargs)
     out: dict[str, Any] = {"ttft_s": None, "prompt_ids": None, "output_ids": [], "text": "",
-                           "usage": None, "sent_unix_s": sent_unix_s}
+                           "usage": None, "sent_unix_s": sent_unix_s, "tpot_s": None,
+                           "itl_s": None}
     if stream:
         chunks = await _parsed(raw)
         parts: list[str] = []
+        arrivals: list[tuple[float, int]] = []
         async for chunk in chunks:
+            now = time.perf_counter()
             if out["prompt_ids"] is None and _extra(chunk, "prompt_token_ids"):
                 out["prompt_ids"] = list(_extra(chunk, "prompt_token_ids"))
+            carried = 0
             for choice in chunk.choices:
                 ids = _extra(choice, "token_ids") or []
                 content = choice.delta.content if choice.delta else None
                 if out["ttft_s"] is None and (ids or content):
-                    out["ttft_s"] = time.perf_counter() - start
+                    out["ttft_s"] = now - start
                 out["output_ids"].extend(ids)
+                carried += len(ids)
                 if content:
                     parts.append(content)
+            if carried:
+                arrivals.append((now, carried))
             if chunk.usage is not None:
                 out["usage"] = chunk.usage
         out["text"] = "".join(parts)
+        if arrivals:
+            out["tpot_s"], out["itl_s"] = token_times(arrivals)
     else:
         resp = await _parsed(raw)
         choice = resp.choices[0]
@@ -223,6 +290,8 @@ async def _session(
                 session=s.id, turn=index, stream=s.stream, started_s=round(started, 3),
                 ttft_s=None if out["ttft_s"] is None else round(out["ttft_s"], 4),
                 latency_s=round(out["latency_s"], 4),
+                tpot_s=None if out["tpot_s"] is None else round(out["tpot_s"], 5),
+                itl_s=None if out["itl_s"] is None else [round(g, 5) for g in out["itl_s"]],
                 prompt_tokens=len(prompt_ids) or (usage.prompt_tokens if usage else 0),
                 output_tokens=len(out["output_ids"]),
                 reused_tokens=min(reused, len(prompt_ids) or reused),
@@ -323,20 +392,30 @@ async def replay(
     advance: Callable[[int], None] = lambda n: None,
     concurrency: int | None = None,
     gate: TurnGate | None = None,
+    nixl_urls: Mapping[str, Sequence[str]] | None = None,
 ) -> ReplayResult:
     """Run every session of ``scenario`` against ``endpoints``; see the module docstring.
 
     ``concurrency``: None starts each session at its arrival time; N runs the sessions in
     scenario order, at most N at once. ``run_id`` goes into every conversation id, so two
     replays with different ids never share a conversation's KV. ``gate``: see
-    :class:`TurnGate`.
+    :class:`TurnGate`. ``nixl_urls``: role -> instances whose NIXL reads are counted
+    (default for a P/D strategy: decode's reads of prefill's KV, and prefill's reads of decode's
+    on reuse).
     """
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, not {concurrency}")
+    if nixl_urls is None:
+        nixl_urls = ({} if strategy.colocated else
+                     {"decode": endpoints.kv_urls, "prefill": endpoints.prefill_urls})
     out = ReplayResult()
     async with httpx.AsyncClient(trust_env=False, timeout=30.0) as probe:
         for url in endpoints.kv_urls:
             out.kv_capacity_tokens[url] = await _kv_capacity(probe, url)
+        if endpoints.kv_urls:
+            out.kv_bytes_per_token = await _kv_bytes_per_token(probe, endpoints.kv_urls[0])
+        nixl_before = {role: await nixl_totals(probe, list(urls))
+                       for role, urls in nixl_urls.items() if urls}
         sampler = _Sampler(endpoints.kv_urls, out.kv_capacity_tokens, sample_every_s)
         baseline = await sampler.sample(probe)
         stop = asyncio.Event()
@@ -354,6 +433,7 @@ async def replay(
                 not_run = await _in_slots(scenario.sessions, run_session, concurrency)
             out.not_run = sum(not_run)
             out.wall_s = time.monotonic() - t0
+            out.core_s = round(await asyncio.to_thread(sampler.cpu.poll), 2)
             # Held KV after the last turn counts too (a fixed TTL's tail): wait until it is
             # gone, or the cap.
             drain_start = time.monotonic()
@@ -362,9 +442,13 @@ async def replay(
                 if sampler.samples and sampler.samples[-1].tokens <= baseline:
                     break
             out.drain_s = time.monotonic() - drain_start
+            out.drain_core_s = round(await asyncio.to_thread(sampler.cpu.poll) - out.core_s, 2)
         finally:
             stop.set()
             await sampling
         out.kv = sampler.samples
+        for role, before in nixl_before.items():
+            after: NixlTotals = await nixl_totals(probe, list(nixl_urls[role]))
+            out.nixl[role] = after.since(before).summary()
     out.turns.sort(key=lambda t: (t.session, t.turn))
     return out

@@ -1,4 +1,4 @@
-"""What `kvtether bench` writes: results JSON, a markdown table, three PNG plots; for a
+"""What `kvtether bench` writes: results JSON, markdown tables, four PNG plots; for a
 concurrency sweep (``--concurrency``), sweep JSON, a markdown table and one two-panel plot."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 from kvtether.bench.metrics import same_turn_ratios
 
-__all__ = ["TARGETS", "render_markdown", "render_sweep_markdown", "targets", "write_plots",
-           "write_results", "write_sweep", "write_sweep_plot"]
+__all__ = ["TARGETS", "kvtether_ratios", "render_markdown", "render_sweep_markdown", "targets",
+           "write_plots", "write_results", "write_sweep", "write_sweep_plot"]
 
 COLORS = {"colocated": "#555555", "pd-oneway": "#ef6c00", "pd-upstream": "#1565c0",
           "kvtether": "#2e7d32"}
@@ -24,6 +24,28 @@ def _fmt(v: Any, digits: int = 3) -> str:
     if isinstance(v, float):
         return f"{v:.{digits}f}"
     return str(v)
+
+
+def _ms(v: float | None) -> str:
+    """Seconds as milliseconds (TPOT and inter-token gaps read better so)."""
+    return "-" if v is None else f"{1000 * v:.1f}"
+
+
+def _size(n: float | None) -> str:
+    """Bytes in binary units."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return "-"
+
+
+def _pair(m: dict[str, Any], a: str, b: str, fmt: Callable[[Any], str] = _fmt) -> str:
+    """Two fields of a summary row as ``a / b``; ``-`` where neither was measured."""
+    va, vb = m.get(a), m.get(b)
+    return "-" if va is None and vb is None else f"{fmt(va)} / {fmt(vb)}"
 
 
 def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -92,22 +114,40 @@ def render_markdown(result: dict[str, Any]) -> str:
     meta = result["run"]
     lines = [
         *_run_lines(meta, "kvtether bench"),
-        "| strategy | reuse fired / eligible | TTFT p50 / p90 / p99 (s) | latency p50 (s) "
-        "| prompt tokens recomputed | of which reusable | retained KV token-s (workload) "
-        "| divergent / compared | failed | turns/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| strategy | TTFT p50 / p99, turns 2+ (s) | TPOT p50 / p99 (ms) | reuse fired / eligible "
+        "| divergent / compared | turns/s | core-s / turn |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, m in s.items():
         rate = "" if m["reuse_rate"] is None else f" ({m['reuse_rate']:.0%})"
         div = "ref" if name == meta.get("reference") else (
             f"{_fmt(m['divergent_outputs'])} / {m['compared_outputs']}")
         lines.append(
-            f"| {name} | {m['fired_turns']}/{m['eligible_turns']}{rate} | "
-            f"{_fmt(m['ttft_p50_s'])} / {_fmt(m['ttft_p90_s'])} / {_fmt(m['ttft_p99_s'])} | "
-            f"{_fmt(m['latency_p50_s'])} | {m['recomputed_tokens']} | "
-            f"{m['recomputed_reusable_tokens']} | {m['retained_kv_token_s_workload']:.0f} | "
-            f"{div} | {m['failed_turns']} | {_fmt(m['turns_per_s'])} |"
+            f"| {name} | {_pair(m, 'ttft_p50_s', 'ttft_p99_s')} | "
+            f"{_pair(m, 'tpot_p50_s', 'tpot_p99_s', _ms)} | "
+            f"{m['fired_turns']}/{m['eligible_turns']}{rate} | {div} | "
+            f"{_fmt(m['turns_per_s'])} | {_fmt(m.get('core_s_per_turn'), 2)} |"
         )
+    lines += ["", "| strategy | TTFT p90 (s) | latency p50 (s) | inter-token gap p50 / p99 (ms) "
+              "| prompt tokens computed: total / per turn 2+ | of which reusable "
+              "| KV moved per turn: P->D / D->P | KV read p50 (s): P->D / D->P "
+              "| retained KV token-s (workload) | failed | drain core-s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, m in s.items():
+        d2p = _size(m.get("kv_d2p_bytes_per_turn")) + (
+            "*" if m.get("kv_d2p_source") == "tokens" else "")
+        moved = ("-" if m.get("kv_p2d_bytes_per_turn") is None and m.get("kv_d2p_source") is None
+                 else f"{_size(m.get('kv_p2d_bytes_per_turn'))} / {d2p}")
+        lines.append(
+            f"| {name} | {_fmt(m['ttft_p90_s'])} | {_fmt(m['latency_p50_s'])} | "
+            f"{_pair(m, 'itl_p50_s', 'itl_p99_s', _ms)} | {m['recomputed_tokens']} / "
+            f"{_fmt(m.get('recomputed_per_turn_tokens'), 0)} | "
+            f"{m['recomputed_reusable_tokens']} | {moved} | "
+            f"{_pair(m, 'kv_p2d_read_p50_s', 'kv_d2p_read_p50_s')} | "
+            f"{m['retained_kv_token_s_workload']:.0f} | {m['failed_turns']} | "
+            f"{_fmt(m.get('drain_core_s'), 1)} |"
+        )
+    lines += _ratio_lines(result)
     lines += stage_table(s)
     rows = targets(s)
     if rows:
@@ -119,7 +159,17 @@ def render_markdown(result: dict[str, Any]) -> str:
     lines += _same_turn_lines(result)
     lines += [
         "",
-        "TTFT: streamed turns 2+ (time to the first token through the SDK). Eligible: turn 2+ "
+        "TTFT: streamed turns 2+ (time to the first token through the SDK). TPOT: per streamed "
+        "turn 2+, from its first token to its last over the tokens after the first; "
+        "inter-token gap: between consecutive chunks that carried tokens, every gap of those "
+        "turns. Core-s / turn: CPU seconds (user + system) of every process the strategy "
+        "started, while the sessions ran, over the turns that completed (drain core-s: after "
+        "the last turn, until the held KV was gone). Prompt tokens computed: prompt tokens "
+        "not reused. KV moved: P->D, decode's NIXL reads of each turn's KV "
+        "(`vllm:nixl_bytes_transferred` on the decode instances); D->P, prefill's reads of "
+        "decode's retained KV (* the tokens read x the model's KV bytes per token), over "
+        "completed turns; KV read: the connectors' read times, median over the turns that "
+        "read. Eligible: turn 2+ "
         "whose prompt repeats at least `kv_recompute_threshold` tokens of what the previous "
         "turn built (prompt + answer, less the answer's last token, which has no KV); fired: it "
         "recomputed less than a block of those. "
@@ -129,6 +179,55 @@ def render_markdown(result: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def kvtether_ratios(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """kvtether's turn 2+ TTFT p50 and TPOT p50 over each other strategy's (below 1: kvtether
+    is faster), and the same for each turn over that strategy's same turn (session and turn:
+    :func:`~kvtether.bench.metrics.same_turn_ratios`, p50). [] without kvtether."""
+    s = result["summary"]
+    k = s.get("kvtether")
+    if not k:
+        return []
+    runs = result.get("strategies") or {}
+    mine = runs.get("kvtether", {}).get("turns", [])
+
+    def over(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    rows = []
+    for name, m in s.items():
+        if name == "kvtether":
+            continue
+        theirs = runs.get(name, {}).get("turns", [])
+        rows.append({
+            "strategy": name,
+            "ttft_p50": over(k["ttft_p50_s"], m["ttft_p50_s"]),
+            "ttft_same_turn": same_turn_ratios(mine, theirs),
+            "tpot_p50": over(k.get("tpot_p50_s"), m.get("tpot_p50_s")),
+            "tpot_same_turn": same_turn_ratios(mine, theirs, key="tpot_s"),
+        })
+    return rows
+
+
+def _ratio_lines(result: dict[str, Any]) -> list[str]:
+    rows = kvtether_ratios(result)
+    if not rows:
+        return []
+
+    def x(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}x"
+
+    def same(r: dict[str, Any]) -> str:
+        return "-" if r["p50"] is None else f"{r['p50']:.2f}x ({r['turns']})"
+
+    lines = ["", "kvtether over each other strategy (below 1x: kvtether is faster):", "",
+             "| kvtether / | TTFT p50, turns 2+ | same turn's TTFT, p50 (turns) | TPOT p50 "
+             "| same turn's TPOT, p50 (turns) |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['strategy']} | {x(r['ttft_p50'])} | {same(r['ttft_same_turn'])} | "
+                     f"{x(r['tpot_p50'])} | {same(r['tpot_same_turn'])} |")
+    return lines
 
 
 def _spread(m: dict[str, Any]) -> str:
@@ -202,7 +301,8 @@ def _pyplot() -> Any:
 
 
 def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
-    """reuse_by_turn.png, ttft_cdf.png, retained_kv.png; [] when matplotlib is missing."""
+    """reuse_by_turn.png, ttft_cdf.png, retained_kv.png, ttft_tpot.png; [] when matplotlib
+    is missing."""
     plt = _pyplot()
     if plt is None:
         return []
@@ -243,7 +343,30 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
     ax.set(xlabel="workload time (min)", ylabel="KV tokens held on decode",
            title="Retained KV over time")
     paths.append(_save(plt, fig, ax, out / "retained_kv.png"))
+    paths.append(_ttft_tpot_plot(plt, result["summary"], out / "ttft_tpot.png"))
     return paths
+
+
+def _ttft_tpot_plot(plt: Any, summary: dict[str, dict[str, Any]], path: Path) -> Path:
+    """Per strategy, TTFT (turns 2+) and TPOT: a bar at the p50, a tick at the p99."""
+    names = list(summary)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, scale, label in ((axes[0], "ttft", 1.0, "TTFT, streamed turns 2+ (s)"),
+                                  (axes[1], "tpot", 1000.0, "TPOT, streamed turns 2+ (ms)")):
+        for i, name in enumerate(names):
+            p50, p99 = summary[name].get(f"{key}_p50_s"), summary[name].get(f"{key}_p99_s")
+            color = COLORS.get(name, "#888888")
+            if p50 is not None:
+                ax.bar(i, p50 * scale, color=color, alpha=0.8,
+                       label="p50 (bar), p99 (tick)" if i == 0 else None)
+            if p99 is not None:
+                ax.plot([i - 0.3, i + 0.3], [p99 * scale] * 2, color=color, linewidth=2)
+        ax.set_xticks(range(len(names)), names, rotation=15)
+        ax.set(ylabel=label, ylim=(0, None))
+    axes[0].set_title("Time to first token")
+    axes[1].set_title("Time per output token")
+    fig.tight_layout()
+    return _save(plt, fig, [axes[0]], path)
 
 
 # --- concurrency sweep -----------------------------------------------------------------------
@@ -278,8 +401,8 @@ def render_sweep_markdown(result: dict[str, Any]) -> str:
         "conversation ids.",
         "",
         "| concurrency | strategy | TTFT p50 / p99 (s) | turns/s | reuse fired / eligible "
-        "| failed | divergent / compared |",
-        "|---|---|---|---|---|---|---|",
+        "| failed | divergent / compared | TPOT p50 / p99 (ms) | core-s / turn |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         div = "ref" if row["strategy"] == meta.get("reference") else (
@@ -287,7 +410,9 @@ def render_sweep_markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {row['concurrency']} | {row['strategy']} | {_fmt(row['ttft_p50_s'])} / "
             f"{_fmt(row['ttft_p99_s'])} | {_fmt(row['turns_per_s'])} | "
-            f"{row['fired_turns']}/{row['eligible_turns']} | {row['failed_turns']} | {div} |"
+            f"{row['fired_turns']}/{row['eligible_turns']} | {row['failed_turns']} | {div} | "
+            f"{_pair(row, 'tpot_p50_s', 'tpot_p99_s', _ms)} | "
+            f"{_fmt(row.get('core_s_per_turn'), 2)} |"
         )
     for level in meta["levels"]:
         at_level = {r["strategy"]: r for r in result["rows"] if r["concurrency"] == level}
@@ -301,8 +426,10 @@ def render_sweep_markdown(result: dict[str, Any]) -> str:
     lines += _spread_lines(result)
     lines += [
         "",
-        "TTFT: streamed turns 2+ (time to the first token through the SDK). turns/s: turns "
+        "TTFT: streamed turns 2+ (time to the first token through the SDK); TPOT: per "
+        "streamed turn 2+, first token to last over the tokens after the first. turns/s: turns "
         "that completed over the level's wall time, first session start to last session end. "
+        "Core-s / turn: CPU seconds of the strategy's processes over those turns. "
         "Reuse fired / eligible as in the plain bench (docs/benchmark.md, \"Benchmark: four "
         "strategies\"); divergent: outputs that differ from colocated's at the same level.",
         "",

@@ -9,7 +9,7 @@ thinking, or the end. The model's own answers are appended as they come, as an a
 Times in a scenario are workload seconds (what the agent would see in production); the replay
 divides every duration and TTL by one time-compression factor.
 
-Two sources:
+Sources:
 
 * :func:`generate_scenario`: seeded; tool durations and result sizes, output lengths, human
   think time and user message sizes from :mod:`kvtether.bench.workload` (the distributions in
@@ -20,6 +20,8 @@ Two sources:
 * :func:`load_scenario` also reads the conversation JSON of vLLM's ``benchmarks/multi_turn``
   tools (a list of ``{"id", "messages": [{"role", "content"}]}``): user messages become turns,
   each assistant message's word count becomes the turn's ``max_tokens``.
+* :func:`load_scenario` also reads recorded coding-agent traces (kv-cache-tester's format), scaled
+  to a CPU host: :mod:`kvtether.bench.traces`.
 """
 
 from __future__ import annotations
@@ -131,13 +133,20 @@ class Scenario(BaseModel):
 
 
 def load_scenario(path: Path, *, think_s: float = 60.0, max_tokens_cap: int = 256) -> Scenario:
-    """A kvtether scenario file, or vLLM ``benchmarks/multi_turn`` conversations.
+    """A kvtether scenario file, vLLM ``benchmarks/multi_turn`` conversations, or recorded
+    agent traces (a kv-cache-tester trace file, a directory of them, or a bundle; converted
+    with :func:`kvtether.bench.traces.to_scenario`'s defaults, outputs capped at
+    ``max_tokens_cap``).
 
     For vLLM's format, which has no timing, every gap between turns is ``think_s`` workload
     seconds of a person thinking, and ``max_tokens`` is the assistant message's word count
     (at most ``max_tokens_cap``).
     """
     path = Path(path)
+    if path.is_dir():  # recorded agent traces, one file per conversation
+        from kvtether.bench.traces import load_trace_scenario  # it imports this module
+
+        return load_trace_scenario(path, max_output_tokens=max_tokens_cap)
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -153,9 +162,14 @@ def load_scenario(path: Path, *, think_s: float = 60.0, max_tokens_cap: int = 25
             raise ScenarioError(f"{path}: {where}: {first['msg']}") from None
     if isinstance(data, list):
         return _from_vllm_multi_turn(data, path, think_s, max_tokens_cap)
+    from kvtether.bench.traces import is_trace_data, load_trace_scenario
+
+    if is_trace_data(data):
+        return load_trace_scenario(path, data, max_output_tokens=max_tokens_cap)
     raise ScenarioError(
-        f"{path} is neither a kvtether scenario (an object with \"kvtether_scenario\": 1) nor "
-        "vLLM multi-turn conversations (a list of {\"id\", \"messages\"})"
+        f"{path} is neither a kvtether scenario (an object with \"kvtether_scenario\": 1), "
+        "vLLM multi-turn conversations (a list of {\"id\", \"messages\"}) nor kv-cache-tester "
+        "traces (an object with \"requests\" and \"block_size\", or a trace bundle)"
     )
 
 

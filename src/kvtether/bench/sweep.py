@@ -4,8 +4,8 @@ Each strategy is started once, as in the plain bench, and the scenario is replay
 level, in the order given: at level N at most N sessions run at a time, each starting as soon as
 a slot is free, in scenario order (arrival times ignored; tool and think gaps kept). Every level
 has its own conversation ids, so no level reads KV that an earlier one left behind. Per level and
-strategy the figures are :func:`~kvtether.bench.metrics.summarize`'s, with outputs compared to
-``colocated``'s at the same level. With level 1 in the sweep, each streamed turn 2+'s TTFT is
+strategy the figures are :func:`~kvtether.bench.metrics.summarize_replay`'s, with outputs compared
+to ``colocated``'s at the same level. With level 1 in the sweep, each streamed turn 2+'s TTFT is
 also divided by the same turn's at level 1 on the same strategy (:func:`ttft_vs_alone`): what a
 level adds to each turn, apart from the spread of turn sizes the scenario has alone. Writes
 ``sweep.json``, ``sweep.md`` and ``sweep.png`` (:mod:`kvtether.bench.report`) and prints the
@@ -30,7 +30,7 @@ from kvtether.bench.compare import (
     run_meta,
     strategy_options,
 )
-from kvtether.bench.metrics import mark_divergence, same_turn_ratios, summarize
+from kvtether.bench.metrics import mark_divergence, same_turn_ratios, summarize_replay
 from kvtether.bench.scenario import Scenario
 from kvtether.bench.strategies import STRATEGIES, start_strategy
 
@@ -88,9 +88,7 @@ def run_sweep(args: argparse.Namespace, scenario: Scenario, command: str,
                     mark_divergence(by_name[reference].turns, replayed.turns)
         for name, replayed in by_name.items():
             kv = [(s.t_s, s.tokens) for s in replayed.kv]
-            m = summarize(name, replayed.turns, kv, wall_s=replayed.wall_s,
-                          drain_s=replayed.drain_s, compress=args.compress,
-                          not_run=replayed.not_run)
+            m = summarize_replay(name, replayed, compress=args.compress)
             rows.append({"concurrency": level, **m.as_dict()})
             detail.setdefault(str(level), {})[name] = {
                 "kv_capacity_tokens": replayed.kv_capacity_tokens,

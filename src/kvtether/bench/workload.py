@@ -12,6 +12,7 @@ any machine. ``time_scale`` and ``token_scale`` shrink sessions for fast tests.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import statistics
@@ -32,6 +33,9 @@ __all__ = [
     "filler_text",
     "PredictionScores",
     "score_predictions",
+    "score_predictions_by_turn",
+    "GAP_FLOOR_S",
+    "GROWTH_FLOOR_TOKENS",
 ]
 
 _Z90 = 1.2816  # standard normal quantile at 0.9: sigma = ln(p90 / p50) / _Z90
@@ -224,7 +228,8 @@ def filler_text(tokens: int, seed: int = 0) -> str:
 @dataclass(frozen=True, slots=True)
 class PredictionScores:
     """Errors of one prediction point against the naive baseline (next prompt = this prompt,
-    next gap = the previous gap)."""
+    next gap = the previous gap). Relative errors are ``|predicted - actual| / actual``; for
+    gaps the actual is taken as at least ``GAP_FLOOR_S``."""
 
     samples: int
     tokens_mape: float
@@ -235,6 +240,25 @@ class PredictionScores:
     gap_median_abs_error_naive_s: float
     gap_median_abs_log_ratio: float  # |ln(predicted / actual)|: 0.69 = off by a factor of 2
     gap_median_abs_log_ratio_naive: float
+    tokens_median_rel_error: float = math.nan
+    tokens_p90_rel_error: float = math.nan
+    tokens_median_rel_error_naive: float = math.nan
+    tokens_p90_rel_error_naive: float = math.nan
+    gap_median_rel_error: float = math.nan
+    gap_p90_rel_error: float = math.nan
+    gap_median_rel_error_naive: float = math.nan
+    gap_p90_rel_error_naive: float = math.nan
+    # |predicted - actual| over the actual growth (next prompt - this prompt, at least
+    # GROWTH_FLOOR_TOKENS): the part of a long prompt a prediction can get wrong. The naive
+    # baseline (no growth) scores 1.0 on every sample.
+    growth_median_rel_error: float = math.nan
+    growth_p90_rel_error: float = math.nan
+
+
+# A gap under a second is scored as a second: recorded traces round gaps to whole seconds (a
+# recorded 0 is "under one"), and a lease sized for 0.2 s or for 1 s costs the same.
+GAP_FLOOR_S = 1.0
+GROWTH_FLOOR_TOKENS = 64  # a block: growth below it is scored as one block
 
 
 class _Errors:
@@ -252,9 +276,14 @@ class _Errors:
     ) -> None:
         self.rows.append((tokens, naive_tokens, actual_tokens, gap_s, naive_gap_s, actual_gap_s))
 
+    def _rel(self, i: int) -> list[float]:
+        if i < 3:
+            return [abs(r[i] - r[2]) / max(r[2], 1.0) for r in self.rows]
+        return [abs(r[i] - r[5]) / max(r[5], GAP_FLOOR_S) for r in self.rows]
+
     def scores(self) -> PredictionScores:
-        def pct(i: int) -> float:
-            return statistics.fmean(abs(r[i] - r[2]) / r[2] for r in self.rows)
+        if not self.rows:
+            return PredictionScores(0, *([math.nan] * 8))  # the rest default to nan
 
         def med(i: int, j: int) -> float:
             return statistics.median(abs(r[i] - r[j]) for r in self.rows)
@@ -264,26 +293,41 @@ class _Errors:
                 abs(math.log(max(r[i], 1e-3) / max(r[5], 1e-3))) for r in self.rows
             )
 
+        rel = {i: self._rel(i) for i in (0, 1, 3, 4)}
+        growth = [abs(r[0] - r[2]) / max(abs(r[2] - r[1]), GROWTH_FLOOR_TOKENS)
+                  for r in self.rows]
         return PredictionScores(
-            len(self.rows),
-            pct(0),
-            pct(1),
-            med(0, 2),
-            med(1, 2),
-            med(3, 5),
-            med(4, 5),
-            log_ratio(3),
-            log_ratio(4),
+            samples=len(self.rows),
+            tokens_mape=statistics.fmean(rel[0]),
+            tokens_mape_naive=statistics.fmean(rel[1]),
+            tokens_median_abs_error=med(0, 2),
+            tokens_median_abs_error_naive=med(1, 2),
+            gap_median_abs_error_s=med(3, 5),
+            gap_median_abs_error_naive_s=med(4, 5),
+            gap_median_abs_log_ratio=log_ratio(3),
+            gap_median_abs_log_ratio_naive=log_ratio(4),
+            tokens_median_rel_error=statistics.median(rel[0]),
+            tokens_p90_rel_error=_quantile(rel[0], 0.9),
+            tokens_median_rel_error_naive=statistics.median(rel[1]),
+            tokens_p90_rel_error_naive=_quantile(rel[1], 0.9),
+            gap_median_rel_error=statistics.median(rel[3]),
+            gap_p90_rel_error=_quantile(rel[3], 0.9),
+            gap_median_rel_error_naive=statistics.median(rel[4]),
+            gap_p90_rel_error_naive=_quantile(rel[4], 0.9),
+            growth_median_rel_error=statistics.median(growth),
+            growth_p90_rel_error=_quantile(growth, 0.9),
         )
 
 
-def score_predictions(sessions: Sequence[AgentSession]) -> dict[str, PredictionScores]:
-    """Replay sessions through a fresh ``GrowthPredictor`` each and score its predictions.
+_Row = tuple[float, float, float, float, float, float]
 
-    ``"request"``: the hints sent with each model request (the reply, and so the next tool,
-    are unknown). ``"tool"``: the hints sent in heartbeats while a tool runs (tool known).
-    """
-    at_request, at_tool = _Errors(), _Errors()
+
+def _prediction_rows(
+    sessions: Sequence[AgentSession],
+) -> list[tuple[Literal["request", "tool"], int, _Row]]:
+    """Each prediction a fresh ``GrowthPredictor`` per session makes, with its turn index
+    (0 = the session's first model call) and what happened next."""
+    rows: list[tuple[Literal["request", "tool"], int, _Row]] = []
     for session in sessions:
         predictor = GrowthPredictor()
         steps = session.steps
@@ -294,26 +338,51 @@ def score_predictions(sessions: Sequence[AgentSession]) -> dict[str, PredictionS
                 before = steps[n - 1]
                 predictor.observe_gap(before.gap_s, after_tool_calls=before.action == "tool")
             guess = predictor.at_request(step.prompt_tokens, tools_offered=True)
-            at_request.add(
-                guess.next_prompt_tokens,
-                step.prompt_tokens,
-                following.prompt_tokens,
-                guess.next_turn_gap_s,
-                previous_gap_s,
-                step.gap_s,
-            )
+            rows.append(("request", n, (
+                guess.next_prompt_tokens, step.prompt_tokens, following.prompt_tokens,
+                guess.next_turn_gap_s, previous_gap_s, step.gap_s)))
             predictor.observe_turn(step.prompt_tokens, step.output_tokens, step.action == "tool")
             if step.action == "tool" and step.tool_name is not None:
                 key = tool_key(step.tool_name, step.tool_args)
                 guess = predictor.at_tool(key)
-                at_tool.add(
-                    guess.next_prompt_tokens,
-                    step.prompt_tokens,
-                    following.prompt_tokens,
-                    guess.next_turn_gap_s,
-                    previous_gap_s,
-                    step.gap_s,
-                )
+                rows.append(("tool", n, (
+                    guess.next_prompt_tokens, step.prompt_tokens, following.prompt_tokens,
+                    guess.next_turn_gap_s, previous_gap_s, step.gap_s)))
                 predictor.observe_tool(key, step.gap_s)
             previous_gap_s = step.gap_s
-    return {"request": at_request.scores(), "tool": at_tool.scores()}
+    return rows
+
+
+def score_predictions(sessions: Sequence[AgentSession]) -> dict[str, PredictionScores]:
+    """Replay sessions through a fresh ``GrowthPredictor`` each and score its predictions.
+
+    ``"request"``: the hints sent with each model request (the reply, and so the next tool,
+    are unknown). ``"tool"``: the hints sent in heartbeats while a tool runs (tool known).
+    """
+    errors = {"request": _Errors(), "tool": _Errors()}
+    for point, _, row in _prediction_rows(sessions):
+        errors[point].add(*row)
+    return {point: e.scores() for point, e in errors.items()}
+
+
+def score_predictions_by_turn(
+    sessions: Sequence[AgentSession], edges: Sequence[int] = (1, 5, 20)
+) -> dict[str, dict[str, PredictionScores]]:
+    """:func:`score_predictions` per turn-index bucket: ``edges`` (1-based turn numbers) start
+    the buckets, so ``(1, 5, 20)`` gives turns 1-4, 5-19 and 20+. Empty buckets are left out."""
+    starts = sorted(set(edges))
+    if not starts or starts[0] < 1:
+        raise ValueError("turn buckets start at turn 1 or later")
+    labels = [f"{a}-{b - 1}" for a, b in itertools.pairwise(starts)]
+    labels.append(f"{starts[-1]}+")
+    errors = {p: {label: _Errors() for label in labels} for p in ("request", "tool")}
+    for point, n, row in _prediction_rows(sessions):
+        turn = n + 1
+        if turn < starts[0]:
+            continue
+        index = max(i for i, a in enumerate(starts) if a <= turn)
+        errors[point][labels[index]].add(*row)
+    return {
+        point: {label: e.scores() for label, e in buckets.items() if e.rows}
+        for point, buckets in errors.items()
+    }

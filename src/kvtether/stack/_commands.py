@@ -21,7 +21,8 @@ from kvtether.stack._store import find_store_server, store_server_argv
 from kvtether.stack.models import model_server_args
 from kvtether.stack.settings import StackSettings
 
-__all__ = ["InstancePlan", "Command", "CommandBuilder", "VllmCommands", "kv_transfer_config"]
+__all__ = ["InstancePlan", "Command", "CommandBuilder", "VllmCommands", "kv_transfer_config",
+           "core_list", "stack_cores"]
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # The kvtether connector keeps upstream's class name: some vLLM code checks for it by name.
@@ -50,6 +51,9 @@ class InstancePlan:
     # The reference only: vLLM's prefix caching on (a simple colocated deployment) or off
     # (the correctness reference).
     prefix_caching: bool = False
+    # The cores a CPU instance's worker computes on, as VLLM_CPU_OMP_THREADS_BIND takes them
+    # ("0-1"); None: the one core cpu_core gives it. Set for the bench's colocated baselines.
+    cpu_cores: str | None = None
     prefill_urls: tuple[str, ...] = ()
     decode_urls: tuple[str, ...] = ()
     prefill_control_urls: tuple[str, ...] = ()
@@ -188,7 +192,7 @@ class VllmCommands:
         if plan.gpu_id is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(plan.gpu_id)
         if settings.device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core(plan, settings))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = plan.cpu_cores or str(cpu_core(plan, settings))
         if settings.device == "cpu":
             env.update(tcmalloc_preload(os.environ.get("LD_PRELOAD", "")))
         if plan.role == "reference":
@@ -320,9 +324,10 @@ def cpu_core(plan: InstancePlan, settings: StackSettings) -> int:
     computes most of every conversation (its tokens, and its short turns' prompts); core 0 is
     also the one a host's device interrupts are least likely to be routed to (on this project's
     2-core VMs they go to core 1, where one conversation's turns on a colocated vLLM took 10%
-    longer than on core 0). The reference (the colocated baseline, or the correctness
-    reference beside a test stack) shares decode-0's core: the baseline then computes where
-    kvtether's decode does, and beside a stack it runs between decode's turns.
+    longer than on core 0). The reference (the correctness reference beside a test stack, or
+    the bench's ``colocated-instance``) shares decode-0's core: it then computes where
+    kvtether's decode does, and beside a stack it runs between decode's turns. The bench's other
+    colocated baselines name their cores (``InstancePlan.cpu_cores``, :func:`stack_cores`).
     """
     cores = host_cores()
     if plan.role == "reference":
@@ -332,3 +337,28 @@ def cpu_core(plan: InstancePlan, settings: StackSettings) -> int:
     if plan.role == "prefill":
         index += settings.decode
     return index % cores
+
+
+def stack_cores(settings: StackSettings) -> list[int]:
+    """The core :func:`cpu_core` gives each P/D instance of a stack, decode instances first.
+
+    What a colocated deployment on the same hardware gets: the set of these cores for one
+    engine, or one of them per replica.
+    """
+    roles: list[tuple[Role, int]] = [("decode", i) for i in range(settings.decode)]
+    roles += [("prefill", i) for i in range(settings.prefill)]
+    return [cpu_core(InstancePlan(name=f"{role}-{i}", role=role, host=settings.host, port=0,
+                                  log_path=Path(os.devnull)), settings)
+            for role, i in roles]
+
+
+def core_list(cores: list[int]) -> str:
+    """``[0, 1, 3]`` as ``VLLM_CPU_OMP_THREADS_BIND`` takes it: ``"0-1,3"`` (sorted, each once)."""
+    ordered = sorted(set(cores))
+    runs: list[list[int]] = []
+    for core in ordered:
+        if runs and core == runs[-1][-1] + 1:
+            runs[-1].append(core)
+        else:
+            runs.append([core])
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
