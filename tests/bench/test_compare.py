@@ -147,13 +147,20 @@ def test_targets_and_markdown_report_what_was_measured(tmp_path: Path) -> None:
                      "fired_turns": 10, "reuse_rate": 1.0, "divergent_outputs": 0,
                      "retained_kv_token_s": 300.0, "ttft_p99_s": 3.0, "turns_per_s": 0.6},
     }
+    summary["colocated-instance"] = {**base, "strategy": "colocated-instance",
+                                     "ttft_p50_s": 1.25}
     rows = {r["target"]: r for r in report.targets(summary)}
+    # Against the deployments on the same cores: reported, no target.
     assert rows["turn 2+ TTFT p50, kvtether / colocated"]["measured"] == "1.50x"
-    assert rows["turn 2+ TTFT p50, kvtether / colocated"]["met"] is False
+    assert rows["turn 2+ TTFT p50, kvtether / colocated"]["met"] is None
+    assert rows["turns/s, kvtether / colocated"]["measured"] == "1.20x"
+    # Against one P/D instance's share of the cores: at most 1.1x.
+    assert rows["turn 2+ TTFT p50, kvtether / colocated-instance"]["measured"] == "1.20x"
+    assert rows["turn 2+ TTFT p50, kvtether / colocated-instance"]["met"] is False
     assert rows["turn 2+ TTFT p99 / p50 (kvtether)"]["measured"] == "2.00x"
-    assert rows["turns/s, kvtether / colocated"]["met"] is True
     assert rows["reuse on eligible turns"]["met"] is True
     assert rows["turn 2+ TTFT p50, pd-oneway / kvtether"]["measured"] == "4.00x"
+    assert rows["turn 2+ TTFT p50, pd-oneway / kvtether"]["met"] is True
     assert rows["retained KV token-s vs fixed TTL (pd-upstream)"]["met"] is False
     result = _result(summary)
     md = report.render_markdown(result)  # type: ignore[arg-type]
