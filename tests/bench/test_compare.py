@@ -265,7 +265,10 @@ def test_a_small_real_run_of_every_strategy(tmp_path: Path) -> None:
         assert m["tpot_turns"] >= 1 and m["tpot_p50_s"] > 0, name
         assert m["core_s_per_turn"] > 0, name
     for name in ("pd-oneway", "pd-upstream", "kvtether"):
-        assert s[name]["kv_p2d_bytes"] > 0 and s[name]["kv_p2d_read_p50_s"] is not None, name
+        assert s[name]["kv_p2d_bytes"] > 0, name
+    # Read times come from the kvtether router's turn records (pd-oneway runs on vllm-router).
+    for name in ("pd-upstream", "kvtether"):
+        assert s[name]["kv_p2d_read_p50_s"] is not None, name
     assert s["kvtether"]["kv_bytes_per_token"] > 0
     assert s["kvtether"]["kv_d2p_bytes"] is not None  # 0 where every reuse was local
     assert s["colocated"]["kv_p2d_bytes"] is None
