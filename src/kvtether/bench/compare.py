@@ -38,7 +38,7 @@ from kvtether.bench.strategies import (
 if TYPE_CHECKING:
     from kvtether.bench.replay import ReplayResult, TurnGate
 
-__all__ = ["StartStrategy", "build_parser", "generate_main", "main", "replay_scenario",
+__all__ = ["StartStrategy", "build_parser", "check_levels", "generate_main", "main", "replay_scenario",
            "run", "run_meta", "strategy_options"]
 
 logger = logging.getLogger(__name__)
@@ -273,6 +273,15 @@ def _print_table(result: dict[str, Any]) -> None:
         console.print(f"  {row['target']}: {row['measured']} (goal {row['goal']}) {met}")
 
 
+def check_levels(parser: argparse.ArgumentParser, levels: Sequence[int]) -> None:
+    """Refuse ``--concurrency`` levels below 1 or given twice (exits through ``parser``)."""
+    if any(n < 1 for n in levels):
+        parser.error(f"--concurrency levels must be at least 1 (got {min(levels)}): a "
+                     "level is how many sessions may run at the same time")
+    if len(set(levels)) != len(levels):
+        parser.error("--concurrency levels must differ (each level is replayed once)")
+
+
 def main(argv: list[str] | None = None, *, start: StartStrategy = start_strategy) -> int:
     """``kvtether bench``; ``start`` starts each strategy's servers (tests pass fakes)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -282,11 +291,7 @@ def main(argv: list[str] | None = None, *, start: StartStrategy = start_strategy
         parser.error("--compress must be > 0")
     levels = args.concurrency
     if levels is not None:
-        if any(n < 1 for n in levels):
-            parser.error(f"--concurrency levels must be at least 1 (got {min(levels)}): a "
-                         "level is how many sessions may run at the same time")
-        if len(set(levels)) != len(levels):
-            parser.error("--concurrency levels must differ (each level is replayed once)")
+        check_levels(parser, levels)
     _scenario_defaults(args, levels)
     if args.sessions < 1:
         parser.error("--sessions must be at least 1")

@@ -24,12 +24,17 @@ import math
 import shlex
 import sys
 import uuid
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvtether.bench import report
-from kvtether.bench.compare import StartStrategy, replay_scenario, run_meta, strategy_options
+from kvtether.bench.compare import (
+    StartStrategy,
+    check_levels,
+    replay_scenario,
+    run_meta,
+    strategy_options,
+)
 from kvtether.bench.metrics import mark_divergence, summarize_replay
 from kvtether.bench.scenario import Scenario, generate_scenario
 from kvtether.bench.strategies import STRATEGIES, start_strategy
@@ -266,8 +271,7 @@ def main(argv: list[str] | None = None, *, start: StartStrategy = start_strategy
     args = parser.parse_args(argv)
     if args.compress <= 0:
         parser.error("--compress must be > 0")
-    if any(n < 1 for n in args.concurrency) or len(set(args.concurrency)) != len(args.concurrency):
-        parser.error("--concurrency levels must be distinct and at least 1")
+    check_levels(parser, args.concurrency)
     if any(n < 512 for n in args.context_tokens):
         parser.error("--context-tokens must be at least 512 each")
     if not 0 < args.system_share < 0.9:

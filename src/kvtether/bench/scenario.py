@@ -45,6 +45,7 @@ __all__ = [
     "ScenarioTurn",
     "generate_scenario",
     "load_scenario",
+    "read_json",
 ]
 
 SCENARIO_VERSION = 1
@@ -132,6 +133,16 @@ class Scenario(BaseModel):
         path.write_text(self.model_dump_json(indent=1) + "\n")
 
 
+def read_json(path: Path, what: str) -> Any:
+    """``path``'s JSON; a :class:`ScenarioError` naming ``what`` when it cannot be read."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ScenarioError(f"{what} {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ScenarioError(f"cannot read {what} {path}: {exc}") from None
+
+
 def load_scenario(path: Path, *, think_s: float = 60.0, max_tokens_cap: int = 256) -> Scenario:
     """A kvtether scenario file, vLLM ``benchmarks/multi_turn`` conversations, or recorded
     agent traces (a kv-cache-tester trace file, a directory of them, or a bundle; converted
@@ -147,12 +158,7 @@ def load_scenario(path: Path, *, think_s: float = 60.0, max_tokens_cap: int = 25
         from kvtether.bench.traces import load_trace_scenario  # it imports this module
 
         return load_trace_scenario(path, max_output_tokens=max_tokens_cap)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ScenarioError(f"scenario file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ScenarioError(f"cannot read scenario file {path}: {exc}") from None
+    data = read_json(path, "scenario file")
     if isinstance(data, dict) and "kvtether_scenario" in data:
         try:
             return Scenario.model_validate(data)

@@ -49,6 +49,7 @@ from kvtether.bench.scenario import (
     ScenarioSession,
     ScenarioTurn,
     _text,
+    read_json,
 )
 from kvtether.bench.workload import (
     AgentSession,
@@ -220,12 +221,7 @@ def read_traces(paths: Iterable[Path], data: Any = None
             raise ScenarioError(f"{path}: no *.json trace files")
         for file in files:
             if data is None or len(files) > 1:
-                try:
-                    loaded = json.loads(file.read_text())
-                except FileNotFoundError:
-                    raise ScenarioError(f"trace file {file} does not exist") from None
-                except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                    raise ScenarioError(f"cannot read trace file {file}: {exc}") from None
+                loaded = read_json(file, "trace file")
             else:
                 loaded = data
             found, src = _parse(loaded, file.name)
