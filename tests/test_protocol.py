@@ -6,6 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from kvtether import protocol as p
+from kvtether.protocol._prefix import common_prefix_tokens, matching_prefix_tokens
+from kvtether.protocol import _kv_params as kv_keys
 from kvtether._validation import first_field_error
 
 
@@ -75,7 +77,7 @@ def test_block_hashes_are_chained():
     ],
 )
 def test_matching_prefix_is_whole_blocks(cached, prompt, expected):
-    assert p.matching_prefix_tokens(cached, prompt, 32) == expected
+    assert matching_prefix_tokens(cached, prompt, 32) == expected
 
 
 def test_truncate_handle_cuts_a_copy_to_whole_blocks():
@@ -89,12 +91,12 @@ def test_truncate_handle_cuts_a_copy_to_whole_blocks():
 
 def test_truncate_handle_cuts_the_prefix_identity_too():
     handle = {"remote_block_ids": [[10, 11, 12]], "remote_num_tokens": 40,
-              p.KV_PARAM_BLOCK_SIZE: 16, p.KV_PARAM_BLOCK_HASHES: ["a", "b"],
-              p.KV_PARAM_TAIL_HASH: "t"}
+              kv_keys.KV_PARAM_BLOCK_SIZE: 16, kv_keys.KV_PARAM_BLOCK_HASHES: ["a", "b"],
+              kv_keys.KV_PARAM_TAIL_HASH: "t"}
     cut = p.truncate_handle(handle, 1, 16)
     assert cut is not None
-    assert cut[p.KV_PARAM_BLOCK_HASHES] == ["a"] and p.KV_PARAM_TAIL_HASH not in cut
-    assert cut[p.KV_PARAM_BLOCK_SIZE] == 16
+    assert cut[kv_keys.KV_PARAM_BLOCK_HASHES] == ["a"] and kv_keys.KV_PARAM_TAIL_HASH not in cut
+    assert cut[kv_keys.KV_PARAM_BLOCK_SIZE] == 16
 
 
 @pytest.mark.parametrize(
@@ -132,10 +134,10 @@ def test_common_prefix_tokens(n: int) -> None:
 
     a = list(range(6000))
     b = a[:n] + [-1] + a[n + 1:]
-    assert p.common_prefix_tokens(a, b) == n
-    assert p.common_prefix_tokens(array("I", a), b) == n
-    assert p.common_prefix_tokens(a[:n], a) == n  # a prefix of the other
-    assert p.common_prefix_tokens([], a) == 0
+    assert common_prefix_tokens(a, b) == n
+    assert common_prefix_tokens(array("I", a), b) == n
+    assert common_prefix_tokens(a[:n], a) == n  # a prefix of the other
+    assert common_prefix_tokens([], a) == 0
 
 
 def test_a_turn_record_s_outcome_is_typed_too() -> None:
@@ -196,23 +198,6 @@ def test_the_contract_s_public_names_are_pinned() -> None:
         "HeartbeatResponse",
         "IdleInfo",
         "KVTETHER_BODY_FIELDS",
-        "KV_PARAM_BLOCK_HASHES",
-        "KV_PARAM_BLOCK_SIZE",
-        "KV_PARAM_CACHED_TOKENS",
-        "KV_PARAM_HANDLE_KEY",
-        "KV_PARAM_LEASE_KEY",
-        "KV_PARAM_LEASE_TTL_S",
-        "KV_PARAM_LOCAL_PREFILL",
-        "KV_PARAM_OUTPUT_TOKEN_IDS",
-        "KV_PARAM_PREFIX_BREAK",
-        "KV_PARAM_PREFIX_MATCH_TOKENS",
-        "KV_PARAM_PROMPT_TOKEN_IDS",
-        "KV_PARAM_PULL",
-        "KV_PARAM_REMOTE_TOKENS",
-        "KV_PARAM_REPORT_TOKEN_IDS",
-        "KV_PARAM_REUSED_TOKENS",
-        "KV_PARAM_TAIL_HASH",
-        "KV_PARAM_TIMINGS",
         "LeaseInfo",
         "LeaseList",
         "LeaseRenewRequest",
@@ -233,11 +218,9 @@ def test_the_contract_s_public_names_are_pinned() -> None:
         "TurnRecord",
         "TurnTimings",
         "block_hashes",
-        "common_prefix_tokens",
         "conversation_id_problem",
         "error_body",
         "format_reuse_header",
-        "matching_prefix_tokens",
         "parse_hints_header",
         "parse_reuse_header",
         "parse_timings_header",

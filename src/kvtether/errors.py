@@ -14,13 +14,29 @@ Exceptions::
     ├── SessionError                   the router answered about a conversation, not with success
     │   ├── SessionNotFoundError       404: the router holds no state for this conversation id
     │   └── SessionGoneError           410: the conversation's KV was released, evicted or expired
-    └── StackError                     (kvtether.stack) the stack could not be started, stopped
-        │                              or found
-        ├── PortInUseError             a port the stack needs is taken
-        ├── StackAlreadyRunningError   a live stack already owns the state directory
-        ├── StackNotRunningError       no stack is recorded in the state directory
-        ├── InstanceFailedError        a process exited or stayed unhealthy while starting
-        └── RestartsExhaustedError     a supervised process kept dying; the supervisor gave up
+    ├── StackError                     (kvtether.stack) the stack could not be started, stopped
+    │   │                              or found
+    │   ├── PortInUseError             a port the stack needs is taken
+    │   ├── StackAlreadyRunningError   a live stack already owns the state directory
+    │   ├── StackNotRunningError       no stack is recorded in the state directory
+    │   ├── InstanceFailedError        a process exited or stayed unhealthy while starting
+    │   └── RestartsExhaustedError     a supervised process kept dying; the supervisor gave up
+    │
+    │   Inside the router (kvtether.router, defined beside the code that raises them; the
+    │   application maps each to an HTTP status and the API's own error shape at the edge):
+    ├── RouterHTTPError                answer the request with this status and message
+    │   ├── UpstreamError              vLLM answered with an error: relayed as it came
+    │   ├── PrefillRefusedError        a prefill instance refused the connection (another may
+    │   │                              take the turn)
+    │   ├── PrefillTimedOutError       a prefill leg got no answer in time (decode may answer
+    │   │   │                          alone)
+    │   │   └── PrefillStalledError    the prefill instance stalled during the leg
+    │   └── BackendStalledError        an instance's engine step waits on a frozen worker
+    ├── StoreError                     the conversation store could not do what was asked
+    │   ├── StoreUnavailableError      the shared store did not answer (plain P/D meanwhile)
+    │   ├── StoreFencedError           this holder's lock expired; a newer holder saved
+    │   └── ConversationBusyError      another turn held the conversation too long (409)
+    └── ConversationTableFullError     every conversation in a full table is busy (503)
 
 Warnings::
 
@@ -32,8 +48,8 @@ Warnings::
                                        requests go to the pool's one default session (said once
                                        per pool)
 
-Every class is defined here and exported where the public API raises it as well
-(``kvtether.stack``, ``kvtether.session``). ``SessionNotFound`` and ``SessionGone`` are the
+Every class outside the router is defined here and exported where the public API raises it
+as well (``kvtether.stack``, ``kvtether.session``, ``kvtether.bench``). ``SessionNotFound`` and ``SessionGone`` are the
 earlier names of ``SessionNotFoundError`` and ``SessionGoneError`` (the same classes).
 
 The client session layer never raises these from inside a model request or a tool: the agent
@@ -49,6 +65,7 @@ from pathlib import Path
 __all__ = [
     "KVTetherError",
     "ConfigError",
+    "ScenarioError",
     "UnsupportedVersionError",
     "VLLMVersionError",
     "RouterUnavailableError",
@@ -75,6 +92,10 @@ class KVTetherError(Exception):
 
 class ConfigError(KVTetherError, ValueError):
     """A setting or argument is invalid."""
+
+
+class ScenarioError(ConfigError):
+    """A scenario or trace file that cannot be read; the message says what and where."""
 
 
 class UnsupportedVersionError(KVTetherError, ImportError):

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from kvtether import protocol as p
+from kvtether.protocol import _kv_params as kv_keys
 from kvtether.errors import ConfigError
 from kvtether.router import RouterSettings, create_app
 from kvtether.router.access import KeyRing, read_key_file
@@ -85,7 +86,7 @@ async def test_a_conversation_belongs_to_the_tenant_that_created_it(key_file: Pa
                 as_key(h, "key-bob") as bob, as_key(h, "key-ops") as ops:
             mine = alice.conversation("shared-id")
             await mine.say("one")
-            owner_key = h.d.decode_params[-1][p.KV_PARAM_HANDLE_KEY]
+            owner_key = h.d.decode_params[-1][kv_keys.KV_PARAM_HANDLE_KEY]
             # Any key of the same tenant sees it.
             assert (await alice2.client.get("/v1/sessions/shared-id")).status_code == 200
             for other in (bob, ops):

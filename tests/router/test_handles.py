@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from kvtether import protocol as p
+from kvtether.protocol import _kv_params as kv_keys
 from tests.support.fake_vllm import BLOCK_SIZE
 from tests.support.router_harness import Harness, make_router
 from tests.support.waiting import await_for
@@ -54,7 +55,7 @@ async def test_failed_pull_reported_when_prefix_cache_hides_it() -> None:
         h.p.local_hit_tokens = lambda prompt: (prompt1 // BLOCK_SIZE - 1) * BLOCK_SIZE
         h.p.pull_failure = True
         t2 = await a.say("two")
-        assert h.p.responses[-1]["kv_transfer_params"][p.KV_PARAM_PULL] == "failed"
+        assert h.p.responses[-1]["kv_transfer_params"][kv_keys.KV_PARAM_PULL] == "failed"
         assert t2.outcome == "miss:transfer_failed"
 
 
@@ -73,7 +74,7 @@ async def test_evicted_conversation_releases_its_kv() -> None:
     async with make_router(control=True, max_conversations=1) as h:
         a, b = h.conversation("old"), h.conversation("new")
         await a.say("one")
-        old_key = h.d.decode_params[-1][p.KV_PARAM_HANDLE_KEY]
+        old_key = h.d.decode_params[-1][kv_keys.KV_PARAM_HANDLE_KEY]
         await b.say("one")
         assert (await h.client.get("/v1/sessions/old")).status_code == 404
         assert old_key in h.d.releases
@@ -88,10 +89,10 @@ async def test_budget_evicts_to_stay_under_cap() -> None:
         # Room for one conversation's KV only.
         h.app.state.runner.s.max_retained_tokens = held + 20
         await b.say("one")
-        a_key = h.d.decode_params[0][p.KV_PARAM_HANDLE_KEY]
+        a_key = h.d.decode_params[0][kv_keys.KV_PARAM_HANDLE_KEY]
         assert h.d.releases == [a_key]
         assert [r.lease_key for r in h.d.held_leases()] == [
-            h.d.decode_params[-1][p.KV_PARAM_HANDLE_KEY]]
+            h.d.decode_params[-1][kv_keys.KV_PARAM_HANDLE_KEY]]
         status = (await h.client.get("/v1/sessions/a")).json()
         assert status["lease_state"] == "evicted"
         hb = await h.client.post("/v1/sessions/a/heartbeat", json={})
@@ -139,7 +140,7 @@ async def test_kv_a_failed_read_left_on_decode_is_released_at_once() -> None:
     async with make_router(control=True, fake={"kvtether_connector": True}) as h:
         a = h.conversation("declined")
         await a.say("one")
-        key = h.d.decode_params[-1][p.KV_PARAM_HANDLE_KEY]
+        key = h.d.decode_params[-1][kv_keys.KV_PARAM_HANDLE_KEY]
         h.p.pull_failure = True
         assert (await a.say("two")).outcome == "miss:transfer_failed"
         await await_for(lambda: key in h.d.releases, message=f"{key} released")

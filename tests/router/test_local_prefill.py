@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from kvtether import protocol as p
+from kvtether.protocol import _kv_params as kv_keys
 from tests.support.fake_vllm import BLOCK_SIZE
 from tests.support.router_harness import Agent, Harness, make_router
 
@@ -24,7 +25,7 @@ async def test_a_short_turn_is_computed_on_decode_and_keeps_its_kv(stream: bool)
     async with make_router(control=True, fake=FAKE, local_prefill_max_tokens=200) as h:
         agent = h.conversation("local")
         await agent.say("first question " * 20, stream=stream)
-        first_key = h.d.decode_params[0][p.KV_PARAM_HANDLE_KEY]
+        first_key = h.d.decode_params[0][kv_keys.KV_PARAM_HANDLE_KEY]
         prefills = len(h.p.prefill_requests)
         t2 = await agent.say("short tool output " * 10, stream=stream)
         t3 = await agent.say("another short result " * 10, stream=stream)
@@ -32,9 +33,9 @@ async def test_a_short_turn_is_computed_on_decode_and_keeps_its_kv(stream: bool)
         # No prefill leg for turns 2 and 3: decode got the local-prefill flag and a new key.
         assert len(h.p.prefill_requests) == prefills
         sent = h.d.decode_params[1:]
-        assert [d.get(p.KV_PARAM_LOCAL_PREFILL) for d in sent] == [True, True]
+        assert [d.get(kv_keys.KV_PARAM_LOCAL_PREFILL) for d in sent] == [True, True]
         assert all("remote_block_ids" not in d for d in sent)
-        keys = [d[p.KV_PARAM_HANDLE_KEY] for d in sent]
+        keys = [d[kv_keys.KV_PARAM_HANDLE_KEY] for d in sent]
         assert len({first_key, *keys}) == 3
 
         # Reuse fired: what decode held, in whole blocks, was not computed again.
@@ -70,7 +71,7 @@ async def test_a_long_turn_still_goes_through_prefill() -> None:
         assert len(h.p.prefill_requests) == 2
         # Its handle went to prefill with the lease extended to outlive prefill's queue.
         assert len(h.d.renewals) == 1
-        assert p.KV_PARAM_LOCAL_PREFILL not in h.d.decode_params[1]
+        assert kv_keys.KV_PARAM_LOCAL_PREFILL not in h.d.decode_params[1]
         assert await h.metric("kvtether_local_prefill_turns_total") == 0
 
 
@@ -91,7 +92,7 @@ async def test_a_rewritten_history_is_never_computed_locally() -> None:
         t3 = await agent.say("third")
         # What still matches (the system prompt) is read by prefill, checked block by block.
         assert int(t3.headers[p.HEADER_SALVAGED_TOKENS]) > 0
-        assert p.KV_PARAM_LOCAL_PREFILL not in h.d.decode_params[-1]
+        assert kv_keys.KV_PARAM_LOCAL_PREFILL not in h.d.decode_params[-1]
         assert len(h.p.prefill_requests) == 2  # turn 1 and turn 3
         h.assert_kv_correct()
 
@@ -122,7 +123,7 @@ async def test_a_short_turn_in_the_last_seconds_of_its_lease_is_computed_on_deco
         await agent.say("first question " * 20)
         t2 = await agent.say("short tool output " * 10)
         assert t2.outcome == "fired" and t2.reused > 0
-        assert h.d.decode_params[-1].get(p.KV_PARAM_LOCAL_PREFILL) is True
+        assert h.d.decode_params[-1].get(kv_keys.KV_PARAM_LOCAL_PREFILL) is True
         assert h.d.renewals == [] and h.d.prefix_cache_queries == []
         h.assert_kv_correct()
 
@@ -152,7 +153,7 @@ async def test_a_turn_after_its_lease_lapsed_goes_back_to_decodes_prefix_cache()
         assert t3.status == 200 and t3.outcome == "fired"
         assert t3.reused > 0 and t3.reused % BLOCK_SIZE == 0
         assert len(h.p.prefill_requests) == prefills  # no prefill leg
-        assert h.d.decode_params[-1].get(p.KV_PARAM_LOCAL_PREFILL) is True
+        assert h.d.decode_params[-1].get(kv_keys.KV_PARAM_LOCAL_PREFILL) is True
         assert "remote_block_ids" not in h.d.decode_params[-1]
         (asked,) = h.d.prefix_cache_queries  # what turn 2 left, as far as turn 3 repeats it
         assert len(asked) >= t3.reused
@@ -221,7 +222,7 @@ async def test_a_short_turn_goes_through_prefill_while_decode_has_one_queued(
         tb = await b.say("short result " * 10, stream=stream)
         assert tb.outcome == "fired"
         assert len(h.p.prefill_requests) == prefills + 1  # b's turn, read from decode's KV
-        assert p.KV_PARAM_LOCAL_PREFILL not in h.d.decode_params[-1]
+        assert kv_keys.KV_PARAM_LOCAL_PREFILL not in h.d.decode_params[-1]
 
         gate.set()
         ta = await waiting
@@ -233,7 +234,7 @@ async def test_a_short_turn_goes_through_prefill_while_decode_has_one_queued(
         # Decode's queue is empty again: the next short turn is computed there.
         tb3 = await b.say("another short result " * 10, stream=stream)
         assert tb3.outcome == "fired"
-        assert h.d.decode_params[-1].get(p.KV_PARAM_LOCAL_PREFILL) is True
+        assert h.d.decode_params[-1].get(kv_keys.KV_PARAM_LOCAL_PREFILL) is True
         assert len(h.p.prefill_requests) == prefills + 1
         assert all(b.prompt_backlog_tokens == 0 for b in h.app.state.pool.all)
         h.assert_kv_correct()
@@ -266,7 +267,7 @@ async def test_short_turns_stay_on_decode_while_prefill_computes_a_long_first_tu
 
         third = await agents[2].say("short result " * 10)
         assert third.outcome == "fired"
-        assert h.d.decode_params[-1].get(p.KV_PARAM_LOCAL_PREFILL) is True
+        assert h.d.decode_params[-1].get(kv_keys.KV_PARAM_LOCAL_PREFILL) is True
         assert len(h.p.prefill_requests) == prefills + 1  # the long turn's, still held
 
         p_gate.set()

@@ -8,6 +8,7 @@ than max(threshold, block) of the reusable tokens were recomputed.
 from __future__ import annotations
 
 from kvtether import protocol as p
+from kvtether.protocol import _kv_params as kv_keys
 from tests.support.fake_vllm import BLOCK_SIZE
 from tests.support.router_harness import Harness, Turn, make_router
 
@@ -27,7 +28,7 @@ async def test_below_threshold_remainder_after_a_local_hit_fired() -> None:
         held = h.d.responses[-1]["kv_transfer_params"]["remote_num_tokens"]
         h.p.local_hit_tokens = lambda prompt: held - 10
         t2 = await a.say("two")
-        assert h.p.responses[-1]["kv_transfer_params"][p.KV_PARAM_PULL] == "below_threshold"
+        assert h.p.responses[-1]["kv_transfer_params"][kv_keys.KV_PARAM_PULL] == "below_threshold"
         assert t2.outcome == "fired"
         assert t2.reused == held - 10
         # Everything turn 1 built (its prompt and answer) is repeated by turn 2's prompt; all

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvtether import protocol as p
+from kvtether.protocol import _kv_params as kv_keys
 from tests.support.router_harness import make_router
 
 
@@ -34,7 +35,7 @@ async def test_upstream_round_robins_decode_and_forwards_the_handle_unchecked() 
         assert h.p.tokenize_calls == 0
         assert all(d.control_calls == [] for d in h.decode)
         for d in h.decode:
-            assert all(p.KV_PARAM_HANDLE_KEY not in kvp for kvp in d.decode_params)
+            assert all(kv_keys.KV_PARAM_HANDLE_KEY not in kvp for kvp in d.decode_params)
         h.assert_kv_correct()
 
 
@@ -104,7 +105,7 @@ async def test_off_never_forwards_a_handle() -> None:
         assert h.p.prefill_handles == [None, None, None]
         assert [t.outcome for t in turns] == ["miss:first_turn"] + ["miss:not_retained"] * 2
         assert all(reusable(t) > 0 and t.reused == 0 for t in turns[1:])
-        assert all(p.KV_PARAM_HANDLE_KEY not in kvp for d in h.decode for kvp in d.decode_params)
+        assert all(kv_keys.KV_PARAM_HANDLE_KEY not in kvp for d in h.decode for kvp in d.decode_params)
         status = (await h.client.get("/v1/sessions/off")).json()
         assert status["retained_tokens"] == 0 and status["lease_state"] == "none"
         assert await h.metric("kvtether_active_leases") == 0

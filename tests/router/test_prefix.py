@@ -7,6 +7,8 @@ import copy
 import pytest
 
 from kvtether import protocol as p
+from kvtether.protocol._prefix import matching_prefix_tokens
+from kvtether.protocol import _kv_params as kv_keys
 from tests.support.fake_vllm import BLOCK_SIZE, Retention, render_chat
 from tests.support.router_harness import Agent, Harness, make_router
 
@@ -22,7 +24,7 @@ def reusable(t) -> int:  # noqa: ANN001
 
 def expected_salvage(r: Retention, messages: list[dict]) -> int:
     held = r.seq[: r.num_tokens]
-    return p.matching_prefix_tokens(held, render_chat(messages), BLOCK_SIZE)
+    return matching_prefix_tokens(held, render_chat(messages), BLOCK_SIZE)
 
 
 async def three_turns(h: Harness, cid: str) -> Agent:
@@ -133,7 +135,7 @@ async def test_unforwarded_handle_is_released_when_replaced() -> None:
 
 async def _unforwarded_handle_is_released(hc: Harness) -> None:
     a = await three_turns(hc, "leak")
-    old_key = hc.d.decode_params[-1][p.KV_PARAM_HANDLE_KEY]
+    old_key = hc.d.decode_params[-1][kv_keys.KV_PARAM_HANDLE_KEY]
     a.messages[0]["content"] = "Completely different system prompt."
     t = await a.say("continue")
     assert t.outcome == "miss:prefix_break"

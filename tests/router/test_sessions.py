@@ -8,6 +8,7 @@ import time
 import pytest
 
 from kvtether import protocol as p
+from kvtether.protocol import _kv_params as kv_keys
 from tests.support.router_harness import Harness, make_router
 
 from .clock import ManualClock
@@ -83,7 +84,7 @@ async def test_heartbeat_bad_body_400(h: Harness, body: bytes) -> None:
 async def test_heartbeat_renews_with_control_channel(hc: Harness) -> None:
     await two_turns(hc)
     before = (await hc.client.get("/v1/sessions/sess")).json()["lease_deadline_unix_s"]
-    key = hc.d.decode_params[-1][p.KV_PARAM_HANDLE_KEY]
+    key = hc.d.decode_params[-1][kv_keys.KV_PARAM_HANDLE_KEY]
     r = await hc.client.post("/v1/sessions/sess/heartbeat",
                              json={"phase": "tool_running", "tool_name": "pytest",
                                    "expected_duration_s": 120})

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from kvtether import protocol as p
+from kvtether.protocol import _kv_params as kv_keys
 from tests.support.router_harness import make_router
 
 
@@ -46,8 +47,8 @@ async def test_each_turn_records_where_its_time_went(stream: bool) -> None:
         assert status.turns[0].timings.prefill.read_s is None
         assert status.turns[1].timings.prefill.read_s == 0.001
         # Timings are reports, not handle fields: never sent on to the other instance.
-        assert all(p.KV_PARAM_TIMINGS not in d for d in h.d.decode_params)
-        assert all(p.KV_PARAM_TIMINGS not in (hd or {}) for hd in h.p.prefill_handles)
+        assert all(kv_keys.KV_PARAM_TIMINGS not in d for d in h.d.decode_params)
+        assert all(kv_keys.KV_PARAM_TIMINGS not in (hd or {}) for hd in h.p.prefill_handles)
         metrics = (await h.client.get("/metrics")).text
         for stage in ("router_wait", "plan", "prefill_leg", "prefill_queue", "prefill_read",
                       "decode_queue", "decode_engine"):

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from kvtether import protocol as p
+from kvtether.protocol import _kv_params as kv_keys
 from kvtether.router import RouterSettings
 from kvtether.router.answers import AnswerEnd
 from kvtether.router.conversations import Conversation
@@ -161,7 +162,7 @@ async def test_an_answer_handed_to_a_person_is_held_as_long_as_vllm_would(
             remaining = await lease_s(agent, time.time())
         assert status.lease_basis == "person"
         assert s.decoder_kv_blocks_ttl_s - 5 < remaining <= s.decoder_kv_blocks_ttl_s
-        assert h.d.decode_params[-1][p.KV_PARAM_LEASE_TTL_S] == s.decoder_kv_blocks_ttl_s
+        assert h.d.decode_params[-1][kv_keys.KV_PARAM_LEASE_TTL_S] == s.decoder_kv_blocks_ttl_s
         assert h.d.renewals == []  # decode was told so with the turn: no extra call
 
 
@@ -282,8 +283,8 @@ async def test_max_lease_s_bounds_it_and_decode_holds_what_the_router_promised()
         status = await agent.status()
         assert status.lease_basis == "tool_calls"
         # Decode was told 100 s with the turn (a person's lease here), then renewed to 400 s.
-        assert h.d.decode_params[-1][p.KV_PARAM_LEASE_TTL_S] == 100.0
-        assert h.d.renewals[-1] == (h.d.decode_params[-1][p.KV_PARAM_HANDLE_KEY], 400.0)
+        assert h.d.decode_params[-1][kv_keys.KV_PARAM_LEASE_TTL_S] == 100.0
+        assert h.d.renewals[-1] == (h.d.decode_params[-1][kv_keys.KV_PARAM_HANDLE_KEY], 400.0)
         (lease,) = h.d.held_leases()
         assert lease.lease_info().deadline_unix_s == pytest.approx(
             status.lease_deadline_unix_s, abs=0.5)
@@ -313,7 +314,7 @@ async def test_a_hinted_turn_keeps_its_lease_whatever_the_answer(api: str, strea
         status = await agent.status()
         assert status.lease_basis == "default"
         assert await lease_s(agent, clock.t) == pytest.approx(s.lease_ttl_s)
-        assert h.d.decode_params[-1][p.KV_PARAM_LEASE_TTL_S] == s.lease_ttl_s
+        assert h.d.decode_params[-1][kv_keys.KV_PARAM_LEASE_TTL_S] == s.lease_ttl_s
         runs(h, None)
         agent.hints = {"next_turn_gap_s": 100}
         await agent.send()

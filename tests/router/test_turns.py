@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from kvtether import protocol as p
+from kvtether.protocol import _kv_params as kv_keys
 from tests.support.fake_vllm import BLOCK_SIZE, FakeVLLM
 from tests.support.router_harness import Harness, make_router
 
@@ -120,7 +121,7 @@ async def test_streamed_turn_without_control_channel_is_not_retained(h: Harness)
 async def test_streamed_turn_fetches_handle_over_control_channel(hc: Harness) -> None:
     a = hc.conversation("s-2")
     await a.say("first, streamed", stream=True)
-    key = hc.d.decode_params[-1][p.KV_PARAM_HANDLE_KEY]
+    key = hc.d.decode_params[-1][kv_keys.KV_PARAM_HANDLE_KEY]
     assert ("GET", f"/kvtether/v1/handles/{key}") in hc.d.control_calls
     t2 = await a.say("second", stream=True)
     assert t2.outcome == "fired"
@@ -205,7 +206,7 @@ async def test_final_phase_hint_releases_kv_at_once(hc: Harness) -> None:
     await a.say("step one")
     t = await a.say("last one", kvtether_hints={"phase": "final"})
     assert t.outcome == "fired"
-    key = hc.d.decode_params[-1][p.KV_PARAM_HANDLE_KEY]
+    key = hc.d.decode_params[-1][kv_keys.KV_PARAM_HANDLE_KEY]
     assert hc.d.releases == [key]
     assert hc.d.held_leases() == []
     status = (await hc.client.get("/v1/sessions/fin")).json()
@@ -218,14 +219,14 @@ async def test_next_turn_gap_hint_sizes_the_lease(hc: Harness) -> None:
     a = hc.conversation("gap")
     before = time.time()
     await a.say("start a long build", kvtether_hints={"next_turn_gap_s": 100})
-    ttl = hc.d.decode_params[-1][p.KV_PARAM_LEASE_TTL_S]
+    ttl = hc.d.decode_params[-1][kv_keys.KV_PARAM_LEASE_TTL_S]
     s = hc.settings
     assert ttl == pytest.approx(100 * 1.5 + s.lease_safety_margin_s)
     status = (await hc.client.get("/v1/sessions/gap")).json()
     assert status["lease_deadline_unix_s"] >= before + ttl - 1
     # Capped by max_lease_s.
     await a.say("an even longer one", kvtether_hints={"next_turn_gap_s": 10_000})
-    assert hc.d.decode_params[-1][p.KV_PARAM_LEASE_TTL_S] == pytest.approx(s.max_lease_s)
+    assert hc.d.decode_params[-1][kv_keys.KV_PARAM_LEASE_TTL_S] == pytest.approx(s.max_lease_s)
 
 
 async def test_hints_header_accepted_and_not_forwarded(hc: Harness) -> None:

@@ -57,6 +57,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvtether import protocol as p
+from kvtether.protocol import _kv_params as kv_keys
 
 BLOCK_SIZE = 32
 MODEL = "tiny"
@@ -671,7 +672,7 @@ class FakeVLLM:
         kvp = kvp if isinstance(kvp, dict) else None
         is_prefill = bool(kvp and kvp.get("do_remote_decode"))
         # kvtether's connector: a local-prefill turn (no prefill leg) is a decode request too.
-        is_local = bool(kvp and kvp.get(p.KV_PARAM_LOCAL_PREFILL)) and self.kvtether_connector
+        is_local = bool(kvp and kvp.get(kv_keys.KV_PARAM_LOCAL_PREFILL)) and self.kvtether_connector
         is_decode = bool(kvp and kvp.get("do_remote_prefill")) or is_local
         cached = 0
         read: ReadEvent | None = None
@@ -687,7 +688,7 @@ class FakeVLLM:
             self.prefill_handles.append(dict(kvp) if kvp.get("remote_block_ids") else None)
             if kvp.get("remote_block_ids"):
                 offer = kvp
-                if self.kvtether_connector and p.KV_PARAM_BLOCK_HASHES in kvp:
+                if self.kvtether_connector and kv_keys.KV_PARAM_BLOCK_HASHES in kvp:
                     offer = checked_by_hashes(kvp, prompt)
                     broken = offer is not kvp
                 read = self.cluster.read(
@@ -733,19 +734,19 @@ class FakeVLLM:
             kv_out["remote_prefill_cached_tokens"] = cached
             if self.kvtether_connector and read is not None:
                 kv_out.update({
-                    p.KV_PARAM_PULL: "pulled" if read.read_tokens else (
+                    kv_keys.KV_PARAM_PULL: "pulled" if read.read_tokens else (
                         "failed" if read.result in ("failed", "refused_expiry", "holder_down")
                         else "local_hit" if read.result == "local_hit"
                         else "below_threshold"),
-                    p.KV_PARAM_REUSED_TOKENS: read.read_tokens,
-                    p.KV_PARAM_REMOTE_TOKENS: read.offered_tokens,
-                    p.KV_PARAM_PREFIX_MATCH_TOKENS: read.offered_tokens,
-                    p.KV_PARAM_PREFIX_BREAK: broken,
+                    kv_keys.KV_PARAM_REUSED_TOKENS: read.read_tokens,
+                    kv_keys.KV_PARAM_REMOTE_TOKENS: read.offered_tokens,
+                    kv_keys.KV_PARAM_PREFIX_MATCH_TOKENS: read.offered_tokens,
+                    kv_keys.KV_PARAM_PREFIX_BREAK: broken,
                 })
         elif is_decode and failure not in ("no_handle", "stream_error"):
             seq = prompt + gen.token_ids
-            key = kvp.get(p.KV_PARAM_HANDLE_KEY) if self.control else None
-            ttl = float(kvp.get(p.KV_PARAM_LEASE_TTL_S) or self.decoder_kv_blocks_ttl_s) \
+            key = kvp.get(kv_keys.KV_PARAM_HANDLE_KEY) if self.control else None
+            ttl = float(kvp.get(kv_keys.KV_PARAM_LEASE_TTL_S) or self.decoder_kv_blocks_ttl_s) \
                 if key else self.decoder_kv_blocks_ttl_s
             r = self.cluster.retain(self, "decode", request_id, seq, len(seq) - 1, ttl_s=ttl,
                                     lease_key=key)
@@ -754,30 +755,30 @@ class FakeVLLM:
                 # kvtether's connector: the prefix identity of what it retains, for a prefill
                 # to check a prompt the router could not tokenize against.
                 held = seq[: r.num_tokens]
-                kv_out[p.KV_PARAM_BLOCK_SIZE] = BLOCK_SIZE
-                kv_out[p.KV_PARAM_BLOCK_HASHES] = p.block_hashes(held, BLOCK_SIZE)
-                kv_out[p.KV_PARAM_TAIL_HASH] = p.tail_block_hash(held, BLOCK_SIZE)
+                kv_out[kv_keys.KV_PARAM_BLOCK_SIZE] = BLOCK_SIZE
+                kv_out[kv_keys.KV_PARAM_BLOCK_HASHES] = p.block_hashes(held, BLOCK_SIZE)
+                kv_out[kv_keys.KV_PARAM_TAIL_HASH] = p.tail_block_hash(held, BLOCK_SIZE)
             if failure == "flat_block_ids":
                 kv_out["remote_block_ids"] = list(r.block_ids)
             if key:
-                kv_out[p.KV_PARAM_LEASE_KEY] = key
+                kv_out[kv_keys.KV_PARAM_LEASE_KEY] = key
                 self.leases[key] = r
             if is_local:
-                kv_out[p.KV_PARAM_CACHED_TOKENS] = cached
+                kv_out[kv_keys.KV_PARAM_CACHED_TOKENS] = cached
         if kv_out is not None and self.kvtether_connector:
             # Like the kvtether connector: how this leg went inside the engine.
-            kv_out[p.KV_PARAM_TIMINGS] = {
+            kv_out[kv_keys.KV_PARAM_TIMINGS] = {
                 "queue_s": self.queue_delay_s,
                 "read_s": 0.001 if (read is not None and read.read_tokens) or is_decode else None,
                 "engine_s": self.queue_delay_s + self.delay_s,
             }
         if failure == "no_kv_params":
             kv_out = None
-        if kv_out is not None and (kvp or {}).get(p.KV_PARAM_REPORT_TOKEN_IDS):
+        if kv_out is not None and (kvp or {}).get(kv_keys.KV_PARAM_REPORT_TOKEN_IDS):
             # kvtether's connector reports the sequence for APIs whose answers carry no ids.
-            kv_out[p.KV_PARAM_PROMPT_TOKEN_IDS] = list(prompt)
+            kv_out[kv_keys.KV_PARAM_PROMPT_TOKEN_IDS] = list(prompt)
             if is_decode:
-                kv_out[p.KV_PARAM_OUTPUT_TOKEN_IDS] = list(gen.token_ids)
+                kv_out[kv_keys.KV_PARAM_OUTPUT_TOKEN_IDS] = list(gen.token_ids)
 
         if body.get("stream"):
             events = (self._stream(body, chat, request_id, prompt, gen, kv_out,
@@ -786,7 +787,7 @@ class FakeVLLM:
                       else self._named_stream(api, body, request_id, prompt, gen, kv_out))
             return StreamingResponse(events, media_type="text/event-stream")
         if is_decode:
-            self._publish((kvp or {}).get(p.KV_PARAM_HANDLE_KEY) if self.control else None,
+            self._publish((kvp or {}).get(kv_keys.KV_PARAM_HANDLE_KEY) if self.control else None,
                           kv_out)
         if api in ("responses", "messages"):
             data = _named_api_body(api, request_id, prompt, gen, kv_out)
@@ -888,7 +889,7 @@ class FakeVLLM:
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": request_id, "object": obj, "created": created, "model": MODEL}
         kvp = body.get("kv_transfer_params") or {}
-        key = kvp.get(p.KV_PARAM_HANDLE_KEY) if self.control else None
+        key = kvp.get(kv_keys.KV_PARAM_HANDLE_KEY) if self.control else None
         if error:
             # vLLM: an engine error mid-stream becomes one error chunk, then [DONE].
             first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant",
@@ -959,7 +960,7 @@ class FakeVLLM:
         sent: list[dict[str, Any]] = []
         self.stream_chunks.append(sent)
         kvp = body.get("kv_transfer_params") or {}
-        key = kvp.get(p.KV_PARAM_HANDLE_KEY) if self.control else None
+        key = kvp.get(kv_keys.KV_PARAM_HANDLE_KEY) if self.control else None
         events = _named_events(api, request_id, prompt, gen)
         for i, (name, data) in enumerate(events):
             if i == len(events) - 1:
@@ -1112,10 +1113,10 @@ def checked_by_hashes(kvp: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
     """What kvtether's prefill connector reads of a handle with block hashes: all of it when
     the prompt repeats every token it holds, else the whole blocks that match (maybe none)."""
     n = int(kvp.get("remote_num_tokens") or 0)
-    want = kvp[p.KV_PARAM_BLOCK_HASHES]
+    want = kvp[kv_keys.KV_PARAM_BLOCK_HASHES]
     have = p.block_hashes(prompt[:n], BLOCK_SIZE)
     if len(prompt) > n and have == want and (
-            p.tail_block_hash(prompt[:n], BLOCK_SIZE) == kvp.get(p.KV_PARAM_TAIL_HASH)):
+            p.tail_block_hash(prompt[:n], BLOCK_SIZE) == kvp.get(kv_keys.KV_PARAM_TAIL_HASH)):
         return kvp
     match = 0
     while match < min(len(want), len(have)) and want[match] == have[match]:

@@ -34,7 +34,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvtether.bench.workload import TOOLS, generate_sessions
-from kvtether.errors import ConfigError
+from kvtether.errors import ScenarioError
 
 __all__ = [
     "GapKind",
@@ -59,10 +59,6 @@ _VOCAB = (
     "check update build run pass fail log trace stack cache token lease block decode prefill "
     "router request response model agent tool user system message turn session history"
 ).split()
-
-
-class ScenarioError(ConfigError):
-    """A scenario file that cannot be read; the message says what and where."""
 
 
 class Message(BaseModel):

@@ -15,6 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtether.protocol import (
+    PullOutcome,
+    block_hashes,
+    tail_block_hash,
+)
+from kvtether.protocol._kv_params import (
     KV_PARAM_BLOCK_HASHES,
     KV_PARAM_BLOCK_SIZE,
     KV_PARAM_PREFIX_BREAK,
@@ -23,9 +28,6 @@ from kvtether.protocol import (
     KV_PARAM_REMOTE_TOKENS,
     KV_PARAM_REUSED_TOKENS,
     KV_PARAM_TAIL_HASH,
-    PullOutcome,
-    block_hashes,
-    tail_block_hash,
 )
 from kvtether.protocol import truncate_handle
 

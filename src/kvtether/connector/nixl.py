@@ -88,6 +88,11 @@ from kvtether.connector._settings import ConnectorSettings  # noqa: E402
 from kvtether.connector._stall import process_watch, rpcs_watched  # noqa: E402
 from kvtether.errors import ConfigError  # noqa: E402
 from kvtether.protocol import (  # noqa: E402
+    ConnectorStatus,
+    PrefixCacheAnswer,
+    IdleInfo,
+)
+from kvtether.protocol._kv_params import (  # noqa: E402
     KV_PARAM_CACHED_TOKENS,
     KV_PARAM_HANDLE_KEY,
     KV_PARAM_LEASE_KEY,
@@ -98,9 +103,6 @@ from kvtether.protocol import (  # noqa: E402
     KV_PARAM_PULL,
     KV_PARAM_REPORT_TOKEN_IDS,
     KV_PARAM_TIMINGS,
-    ConnectorStatus,
-    PrefixCacheAnswer,
-    IdleInfo,
 )
 
 if TYPE_CHECKING:

@@ -10,7 +10,10 @@ Import names from here; the private modules hold one concept each:
 * ``_models``: client hints, the session API's bodies, ``TurnRecord`` and its timings;
 * ``_errors``: OpenAI-style error bodies;
 * ``_prefix``: prefix identity of token sequences and handle truncation;
-* ``_control``: the connector's control channel and kvtether's ``kv_transfer_params`` keys.
+* ``_control``: the connector's control channel.
+
+Not exported: ``_kv_params``, the ``kv_transfer_params`` keys only the router and the connector
+exchange (import them from ``kvtether.protocol._kv_params``).
 """
 
 from __future__ import annotations
@@ -65,9 +68,7 @@ from kvtether.protocol._errors import (
 )
 from kvtether.protocol._prefix import (
     block_hashes,
-    common_prefix_tokens,
     reusable_prefix_tokens,
-    matching_prefix_tokens,
     tail_block_hash,
     truncate_handle,
 )
@@ -77,23 +78,6 @@ from kvtether.protocol._control import (
     CONTROL_SECRET_ENV,
     HandleResponse,
     IdleInfo,
-    KV_PARAM_BLOCK_HASHES,
-    KV_PARAM_BLOCK_SIZE,
-    KV_PARAM_HANDLE_KEY,
-    KV_PARAM_LEASE_KEY,
-    KV_PARAM_LEASE_TTL_S,
-    KV_PARAM_PREFIX_BREAK,
-    KV_PARAM_PREFIX_MATCH_TOKENS,
-    KV_PARAM_PULL,
-    KV_PARAM_REMOTE_TOKENS,
-    KV_PARAM_REUSED_TOKENS,
-    KV_PARAM_TAIL_HASH,
-    KV_PARAM_TIMINGS,
-    KV_PARAM_LOCAL_PREFILL,
-    KV_PARAM_CACHED_TOKENS,
-    KV_PARAM_REPORT_TOKEN_IDS,
-    KV_PARAM_PROMPT_TOKEN_IDS,
-    KV_PARAM_OUTPUT_TOKEN_IDS,
     LeaseInfo,
     LeaseList,
     LeaseRenewRequest,
@@ -147,29 +131,10 @@ __all__ = [
     "format_reuse_header",
     "parse_hints_header",
     "block_hashes",
-    "matching_prefix_tokens",
-    "common_prefix_tokens",
     "reusable_prefix_tokens",
     "tail_block_hash",
     "CONTROL_API_PREFIX",
     "CONTROL_SECRET_ENV",
-    "KV_PARAM_HANDLE_KEY",
-    "KV_PARAM_LEASE_TTL_S",
-    "KV_PARAM_LEASE_KEY",
-    "KV_PARAM_BLOCK_SIZE",
-    "KV_PARAM_BLOCK_HASHES",
-    "KV_PARAM_TAIL_HASH",
-    "KV_PARAM_REMOTE_TOKENS",
-    "KV_PARAM_PREFIX_MATCH_TOKENS",
-    "KV_PARAM_PREFIX_BREAK",
-    "KV_PARAM_REUSED_TOKENS",
-    "KV_PARAM_PULL",
-    "KV_PARAM_TIMINGS",
-    "KV_PARAM_LOCAL_PREFILL",
-    "KV_PARAM_CACHED_TOKENS",
-    "KV_PARAM_REPORT_TOKEN_IDS",
-    "KV_PARAM_PROMPT_TOKEN_IDS",
-    "KV_PARAM_OUTPUT_TOKEN_IDS",
     "PREFILL_READ_MARGIN_S",
     "truncate_handle",
     "LeaseState",

@@ -8,7 +8,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from kvtether.protocol._control import KV_PARAM_BLOCK_HASHES, KV_PARAM_TAIL_HASH
+from kvtether.protocol._kv_params import KV_PARAM_BLOCK_HASHES, KV_PARAM_TAIL_HASH
 
 
 # --- prefix identity ----------------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 from starlette.responses import JSONResponse, Response
 
+from kvtether.errors import KVTetherError
 from kvtether.protocol import error_body
 
 __all__ = ["RouterHTTPError", "UpstreamError", "anthropic_error_body", "error_response",
@@ -28,8 +29,9 @@ _TYPES = {
 }
 
 
-class RouterHTTPError(Exception):
-    """Raised inside the router to answer with an OpenAI-style error and status."""
+class RouterHTTPError(KVTetherError):
+    """Raised inside the router to answer with an OpenAI-style error and status (the
+    application maps it to the API's own error shape at the edge)."""
 
     def __init__(
         self, status: int, message: str, *, param: str | None = None, code: str | None = None

@@ -17,7 +17,7 @@ from kvtether.router.settings import RouterSettings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Backend", "BackendPool", "BackendStalled", "watch"]
+__all__ = ["Backend", "BackendPool", "BackendStalledError", "watch"]
 
 T = TypeVar("T")
 
@@ -81,7 +81,7 @@ class Backend:
         self.stalled_step_s = None
 
     async def watch_lines(self, lines: AsyncIterator[str]) -> AsyncIterator[str]:
-        """``lines`` (a streamed leg's), ending with :class:`BackendStalled` if the instance
+        """``lines`` (a streamed leg's), ending with :class:`BackendStalledError` if the instance
         stalls while it streams.
 
         One task per stream reads ``lines`` into a small queue; a stall cancels that task
@@ -115,7 +115,7 @@ class Backend:
             while True:
                 item = await queue.get()
                 if stalled:
-                    raise BackendStalled(self)
+                    raise BackendStalledError(self)
                 if item is _END:
                     return
                 if isinstance(item, _Failed):
@@ -139,7 +139,7 @@ class _Failed:
     exc: BaseException
 
 
-class BackendStalled(RouterHTTPError):
+class BackendStalledError(RouterHTTPError):
     """An instance's engine step has waited for its worker past the router's
     ``stall_after_s``: a frozen worker, whose calls would otherwise hang until vLLM's own
     300 s RPC timeout ends the engine."""
@@ -156,14 +156,14 @@ class BackendStalled(RouterHTTPError):
 async def watch(call: Awaitable[T], *backends: Backend | None) -> T:
     """Await ``call``; if any of ``backends`` is or becomes stalled first, cancel it (vLLM
     aborts a request whose connection closes) and raise that instance's
-    :class:`BackendStalled`. Several: a leg that waits on the instance it runs on and on the
+    :class:`BackendStalledError`. Several: a leg that waits on the instance it runs on and on the
     one whose KV it reads (a frozen worker does not serve NIXL reads of its KV either)."""
     watched = [b for b in backends if b is not None]
     for b in watched:
         if b.stalled_step_s is not None:
             if asyncio.iscoroutine(call):
                 call.close()
-            raise BackendStalled(b)
+            raise BackendStalledError(b)
     task = asyncio.ensure_future(call)
     stalls = {asyncio.ensure_future(b._stall.wait()): b for b in watched}
     try:
@@ -177,7 +177,7 @@ async def watch(call: Awaitable[T], *backends: Backend | None) -> T:
                 await task
     if task.cancelled():
         stalled = next((b for b in watched if b.stalled_step_s is not None), watched[0])
-        raise BackendStalled(stalled)
+        raise BackendStalledError(stalled)
     return task.result()
 
 

@@ -28,7 +28,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from kvtether.protocol import MissCause, common_prefix_tokens
+from kvtether.protocol import MissCause
+from kvtether.protocol._prefix import common_prefix_tokens
 from kvtether.router.conversations import (
     Conversation,
     ConversationBusyError,

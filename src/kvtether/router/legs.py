@@ -15,14 +15,16 @@ from typing import Any
 import httpx
 
 from kvtether import protocol as p
+from kvtether.protocol import _kv_params as kv_keys
 from kvtether.router._errors import RouterHTTPError, UpstreamError
 from kvtether.router.apis import api_for
-from kvtether.router.backends import Backend, BackendPool, BackendStalled, watch
+from kvtether.router.backends import Backend, BackendPool, BackendStalledError, watch
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "FirstToken", "PrefillRefused", "PrefillResult", "PrefillStalled", "PrefillTimedOut",
+    "FirstToken", "PrefillRefusedError", "PrefillResult", "PrefillStalledError",
+    "PrefillTimedOutError",
     "engine_timings", "failure_kind", "json_or_502",
     "note_failure",
     "open_decode", "prefill",
@@ -43,7 +45,7 @@ _TOKENIZE_CHAT_KEYS = ("model", "messages", "tools", "chat_template", "chat_temp
                        "add_generation_prompt", "continue_final_message", "add_special_tokens")
 
 
-class PrefillRefused(RouterHTTPError):
+class PrefillRefusedError(RouterHTTPError):
     """A prefill instance refused the connection: nothing reached it, so the turn may go to
     another prefill instance (any of them can read the conversation's KV from decode)."""
 
@@ -53,7 +55,7 @@ class PrefillRefused(RouterHTTPError):
         self.backend = backend
 
 
-class PrefillTimedOut(RouterHTTPError):
+class PrefillTimedOutError(RouterHTTPError):
     """A prefill leg got no answer in time (a frozen worker, or a queue longer than the
     router's ``prefill_leg_timeout_s``): the turn may still be answered by decode alone."""
 
@@ -64,7 +66,7 @@ class PrefillTimedOut(RouterHTTPError):
         self.timeout_s = timeout_s
 
 
-class PrefillStalled(PrefillTimedOut):
+class PrefillStalledError(PrefillTimedOutError):
     """The prefill instance stalled during the leg (or before it): given up at once, and the
     turn may still be answered by decode alone."""
 
@@ -81,10 +83,10 @@ def _prefill_failed(
     backend: Backend, exc: httpx.HTTPError, timeout_s: float | None = None
 ) -> RouterHTTPError:
     if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
-        return PrefillTimedOut(backend, _read_timeout(backend, timeout_s))
+        return PrefillTimedOutError(backend, _read_timeout(backend, timeout_s))
     note_failure(backend, exc)
     if isinstance(exc, httpx.ConnectError):
-        return PrefillRefused(backend)
+        return PrefillRefusedError(backend)
     return RouterHTTPError(502, f"prefill instance {backend.name} failed: {failure_kind(exc)}",
                            code="upstream_unavailable")
 
@@ -145,7 +147,7 @@ async def tokenize(
 ) -> list[int] | None:
     """The new prompt's token ids, exactly as the prefill instance will see them.
 
-    An unreachable prefill instance fails here (502; :class:`PrefillRefused` when it refused
+    An unreachable prefill instance fails here (502; :class:`PrefillRefusedError` when it refused
     the connection), before the router decides anything about the conversation's retained
     KV: decode keeps it for the retry.
     """
@@ -179,16 +181,16 @@ async def prefill(
     """Run the prompt on P (one token), reading ``handle`` from D when there is one.
 
     ``timeout_s``: how long to wait for P's answer (it comes whole, at the end of the leg);
-    past it the request is dropped (vLLM aborts it) and :class:`PrefillTimedOut` raised.
+    past it the request is dropped (vLLM aborts it) and :class:`PrefillTimedOutError` raised.
     ``holder``: the decode instance ``handle`` is on; if it (or P) stalls meanwhile, the leg
-    is given up at once with :class:`PrefillStalled`. ``work_tokens``: the prompt tokens P
+    is given up at once with :class:`PrefillStalledError`. ``work_tokens``: the prompt tokens P
     computes, counted in its ``prompt_backlog_tokens`` while the leg is in flight.
     """
     api = api_for(endpoint)
     leg_body = api.prefill_body(body)
     leg_body["kv_transfer_params"] = dict(handle or _FRESH_PREFILL_PARAMS)
     if not api.token_ids_in_answer:
-        leg_body["kv_transfer_params"][p.KV_PARAM_REPORT_TOKEN_IDS] = True
+        leg_body["kv_transfer_params"][kv_keys.KV_PARAM_REPORT_TOKEN_IDS] = True
     t0 = time.perf_counter()
     backend.inflight += 1
     backend.prompt_backlog_tokens += work_tokens
@@ -199,8 +201,8 @@ async def prefill(
         ), backend, holder if handle else None)
     except httpx.HTTPError as exc:
         raise _prefill_failed(backend, exc, timeout_s) from None
-    except BackendStalled as exc:
-        raise PrefillStalled(backend, time.perf_counter() - t0, exc.backend) from None
+    except BackendStalledError as exc:
+        raise PrefillStalledError(backend, time.perf_counter() - t0, exc.backend) from None
     finally:
         backend.inflight -= 1
         backend.prompt_backlog_tokens -= work_tokens
@@ -210,7 +212,7 @@ async def prefill(
     data = json_or_502(r.content, backend)
     params = data.get("kv_transfer_params") or {}
     engine = engine_timings(params)
-    reported = params.pop(p.KV_PARAM_PROMPT_TOKEN_IDS, None)
+    reported = params.pop(kv_keys.KV_PARAM_PROMPT_TOKEN_IDS, None)
     if not params.get("do_remote_prefill"):
         raise RouterHTTPError(502, "prefill instance returned no KV handle; is it running "
                                    "with the NIXL connector?", code="upstream_misconfigured")
@@ -220,8 +222,8 @@ async def prefill(
         prompt_token_ids=(prompt_ids(data) if api.token_ids_in_answer
                           else _int_list(reported)),
         cached_tokens=int(params.get("remote_prefill_cached_tokens") or 0),
-        pulled_tokens=params.get(p.KV_PARAM_REUSED_TOKENS),
-        pull=params.get(p.KV_PARAM_PULL),
+        pulled_tokens=params.get(kv_keys.KV_PARAM_REUSED_TOKENS),
+        pull=params.get(kv_keys.KV_PARAM_PULL),
         leg_s=leg_s,
         engine=engine,
         first=first_token(data) if api.name == "chat" else None,
@@ -239,8 +241,8 @@ def reported_token_ids(handle: dict[str, Any] | None) -> tuple[list[int], list[i
     its handle: (prompt, output), or None when it reported none."""
     if not isinstance(handle, dict):
         return None
-    prompt = handle.pop(p.KV_PARAM_PROMPT_TOKEN_IDS, None)
-    output = handle.pop(p.KV_PARAM_OUTPUT_TOKEN_IDS, None)
+    prompt = handle.pop(kv_keys.KV_PARAM_PROMPT_TOKEN_IDS, None)
+    output = handle.pop(kv_keys.KV_PARAM_OUTPUT_TOKEN_IDS, None)
     if prompt is None:
         return None
     return _int_list(prompt), _int_list(output)
@@ -249,7 +251,7 @@ def reported_token_ids(handle: dict[str, Any] | None) -> tuple[list[int], list[i
 def reported_cached_tokens(handle: dict[str, Any] | None) -> int | None:
     """Take out of decode's handle the prompt tokens a local-prefill turn found in decode's
     prefix cache (None when it reported none)."""
-    raw = handle.pop(p.KV_PARAM_CACHED_TOKENS, None) if isinstance(handle, dict) else None
+    raw = handle.pop(kv_keys.KV_PARAM_CACHED_TOKENS, None) if isinstance(handle, dict) else None
     return raw if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0 else None
 
 
@@ -271,7 +273,7 @@ def _leg_timeout(backend: Backend, timeout_s: float) -> httpx.Timeout:
 def engine_timings(params: dict[str, Any] | None) -> p.EngineTimings | None:
     """Take the connector's timings out of a leg's ``kv_transfer_params`` (they are not part
     of the handle the other instance reads)."""
-    raw = params.pop(p.KV_PARAM_TIMINGS, None) if isinstance(params, dict) else None
+    raw = params.pop(kv_keys.KV_PARAM_TIMINGS, None) if isinstance(params, dict) else None
     if not isinstance(raw, dict):
         return None
     try:
@@ -299,7 +301,7 @@ async def open_decode(
     starts, the leg is given up (no other decode instance could read that KV either).
     """
     tried: set[str] = set()
-    stalled: BackendStalled | None = None
+    stalled: BackendStalledError | None = None
     while True:
         decode = (pool.next_decode(tried) if round_robin
                   else pool.pick_decode(preferred, exclude=tried))
@@ -318,7 +320,7 @@ async def open_decode(
         decode.inflight += 1
         try:
             upstream = await watch(decode.client.send(request, stream=True), decode, source)
-        except BackendStalled as exc:
+        except BackendStalledError as exc:
             decode.inflight -= 1
             if exc.backend is not decode:
                 raise  # the KV to read is on a stalled prefill instance

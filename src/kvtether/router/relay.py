@@ -21,7 +21,7 @@ from kvtether.router._clock import Clock
 from kvtether.router._errors import RouterHTTPError, anthropic_error_body
 from kvtether.router.answers import AnswerReader
 from kvtether.router.apis import Api, api_for
-from kvtether.router.backends import Backend, BackendStalled
+from kvtether.router.backends import Backend, BackendStalledError
 from kvtether.router.conversations import Conversation, HeldConversation
 from kvtether.router.legs import FirstToken, failure_kind, json_or_502, note_failure, prompt_ids
 from kvtether.router.metrics import RouterMetrics
@@ -383,10 +383,11 @@ async def _lines_or_error(
     try:
         async for line in decode.watch_lines(upstream.aiter_lines()):
             yield line
-    except (httpx.HTTPError, BackendStalled) as exc:
+    except (httpx.HTTPError, BackendStalledError) as exc:
         logger.warning("decode %s failed mid-stream: %r", decode.name, exc)
-        what = "stalled" if isinstance(exc, BackendStalled) else "failed"
-        code = "upstream_stalled" if isinstance(exc, BackendStalled) else "upstream_unavailable"
+        stalled = isinstance(exc, BackendStalledError)
+        what = "stalled" if stalled else "failed"
+        code = "upstream_stalled" if stalled else "upstream_unavailable"
         message = (f"decode instance {decode.name} {what} while streaming the answer; "
                    "retry the request")
         if api is not None and api.anthropic_errors:

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtether.protocol import (
-    KV_PARAM_BLOCK_HASHES,
     MissCause,
     ReuseOutcome,
-    matching_prefix_tokens,
     reusable_prefix_tokens,
     reuse_verdict,
     truncate_handle,
 )
+from kvtether.protocol._kv_params import KV_PARAM_BLOCK_HASHES
+from kvtether.protocol._prefix import matching_prefix_tokens
 from kvtether.router.conversations import Conversation, RetainedKV
 
 __all__ = ["ReusePlan", "plan_reuse", "plan_upstream", "reuse_outcome"]

@@ -19,11 +19,12 @@ from typing import Any
 from starlette.responses import Response, StreamingResponse
 
 from kvtether import protocol as p
+from kvtether.protocol import _kv_params as kv_keys
 from kvtether.router import legs
 from kvtether.router._deps import RouterDeps
 from kvtether.router._errors import RouterHTTPError
 from kvtether.router.apis import Api, api_for
-from kvtether.router.backends import Backend, BackendStalled
+from kvtether.router.backends import Backend, BackendStalledError
 from kvtether.router.branches import hold_branch
 from kvtether.router.prompts import PromptTokenizer
 from kvtether.router.conversations import (
@@ -226,7 +227,7 @@ class TurnRunner:
             # same for every decode instance stalled (a frozen worker).
             stalled = next((b for b in self.pool.decode if b.stalled_step_s is not None), None)
             if stalled is not None:
-                raise BackendStalled(stalled)
+                raise BackendStalledError(stalled)
             raise RouterHTTPError(503, "no decode instance is reachable; retry shortly",
                                   code="upstream_unavailable")
         planning = clock.now_unix_s()
@@ -235,7 +236,7 @@ class TurnRunner:
                 plan = (ReusePlan(None, 0, p.MissCause.STORE_UNAVAILABLE) if store_down
                         else await self._plan(req, conv, prefill, timings))
                 break
-            except legs.PrefillRefused as exc:
+            except legs.PrefillRefusedError as exc:
                 prefill = self._instead_of_refused(refused, exc)
         cached_decode: Backend | None = None
         cached_on = None if store_down else await self._cached_on_decode(
@@ -268,7 +269,7 @@ class TurnRunner:
             if not local:
                 leg = await self._prefill_leg(prefill, refused, req, plan.handle, holder,
                                               _prompt_work(req, plan))
-        except legs.PrefillTimedOut as exc:
+        except legs.PrefillTimedOutError as exc:
             # A frozen or hopelessly queued prefill: decode answers alone (recomputing the
             # prompt). A handle taken for the leg stays under its hand-off lease: P may still
             # be reading it, and a read frees it.
@@ -280,7 +281,7 @@ class TurnRunner:
         except RouterHTTPError as exc:
             # The handle is unread: vLLM rejects bad requests (4xx) before scheduling them, and
             # a refused connection reached nobody; decode keeps it for the client's retry.
-            unread = 400 <= exc.status < 500 or isinstance(exc, legs.PrefillRefused)
+            unread = 400 <= exc.status < 500 or isinstance(exc, legs.PrefillRefusedError)
             if taken is not None and unread and conv is not None:
                 self.retention.restore(conv, taken)
             raise
@@ -300,18 +301,18 @@ class TurnRunner:
         if req.api.token_ids_in_answer:
             body["return_token_ids"] = True
         if local:
-            body["kv_transfer_params"] = {p.KV_PARAM_LOCAL_PREFILL: True}
+            body["kv_transfer_params"] = {kv_keys.KV_PARAM_LOCAL_PREFILL: True}
             self.deps.metrics.local_prefills.inc()
         if leg is not None:
             body["kv_transfer_params"] = dict(leg.params)
             if not req.api.token_ids_in_answer:
                 # D reports the sequence it retains (this API's answer carries no token ids).
-                body["kv_transfer_params"][p.KV_PARAM_REPORT_TOKEN_IDS] = True
+                body["kv_transfer_params"][kv_keys.KV_PARAM_REPORT_TOKEN_IDS] = True
         if handle_key is not None:
             # Only the kvtether connector reads these: the lease D holds this turn's KV under.
             body["kv_transfer_params"].update({
-                p.KV_PARAM_HANDLE_KEY: handle_key,
-                p.KV_PARAM_LEASE_TTL_S: self._initial_lease_s(req.hints),
+                kv_keys.KV_PARAM_HANDLE_KEY: handle_key,
+                kv_keys.KV_PARAM_LEASE_TTL_S: self._initial_lease_s(req.hints),
             })
         preferred = conv.decode_instance if conv is not None and kvtether else None
         if local:
@@ -531,7 +532,7 @@ class TurnRunner:
                                   code="upstream_unavailable")
         return prefill
 
-    def _instead_of_refused(self, refused: set[str], exc: legs.PrefillRefused) -> Backend:
+    def _instead_of_refused(self, refused: set[str], exc: legs.PrefillRefusedError) -> Backend:
         """Another prefill instance for a turn whose instance refused the connection (nothing
         reached it; any prefill instance reads the same handle); ``exc`` when none is left."""
         refused.add(exc.backend.name)
@@ -549,7 +550,7 @@ class TurnRunner:
                 return await legs.prefill(prefill, req.endpoint, req.body, req.request_id,
                                           handle, timeout_s=self.s.prefill_leg_timeout_s,
                                           holder=holder, work_tokens=work_tokens)
-            except legs.PrefillRefused as exc:
+            except legs.PrefillRefusedError as exc:
                 prefill = self._instead_of_refused(refused, exc)
 
     # ---------------------------------------------------------------- planning
