@@ -25,18 +25,18 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from kvtether.protocol import Phase
 from kvtether.router.answers import AnswerEnd
 
 if TYPE_CHECKING:
     from kvtether.protocol import TurnRecord
-    from kvtether.router.conversations import Conversation
     from kvtether.router.settings import RouterSettings
 
 __all__ = ["AwaitingTools", "LeaseBasis", "LeaseSizing", "MAX_TOOL_KEYS", "TOOL_GAP_DEFAULT_S",
-           "TOOL_GAP_FACTOR", "ToolGaps", "person_lease_s", "size_after_answer"]
+           "TOOL_GAP_FACTOR", "ToolGaps", "ToolTracking", "person_lease_s",
+           "size_after_answer"]
 
 # How the lease of a conversation's last turn was sized (GET /v1/sessions/{id}).
 LeaseBasis = Literal["hints", "default", "tool_calls", "person"]
@@ -124,12 +124,21 @@ class LeaseSizing:
     basis: LeaseBasis
 
 
+class ToolTracking(Protocol):
+    """What :func:`size_after_answer` reads and updates on a conversation (a
+    ``router.conversations.Conversation``), named here so that module need not be imported."""
+
+    awaiting_tools: AwaitingTools | None
+    tool_gaps: ToolGaps
+    phase: Phase | None
+
+
 def person_lease_s(s: RouterSettings) -> float:
     """A turn handed back to a person: never shorter than stock vLLM would hold it."""
     return min(max(s.lease_ttl_s, s.decoder_kv_blocks_ttl_s), s.max_lease_s)
 
 
-def size_after_answer(s: RouterSettings, conv: Conversation, end: AnswerEnd,
+def size_after_answer(s: RouterSettings, conv: ToolTracking, end: AnswerEnd,
                       record: TurnRecord, now_unix_s: float) -> LeaseSizing:
     """The lease of an unhinted turn that just answered; first, what its arrival says about
     the tools the conversation's previous answer called."""
