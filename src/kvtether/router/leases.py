@@ -159,8 +159,8 @@ class LeaseClient:
             return False
         try:
             # wait_s=0: answered as soon as decode has started the release, not once its worker
-            # has freed the blocks (a step or two later: more than a session client's 2 s on a
-            # loaded CPU decode, seen in a 16-conversation soak).
+            # has freed the blocks, a step or two later: on a loaded decode that can outlast a
+            # session client's 2 s timeout.
             r = await decode.client.delete(
                 f"{decode.control_url}{_PREFIX}/leases/{key}", headers=self._headers,
                 params={"wait_s": 0}, timeout=self._timeout_s,

@@ -2,10 +2,9 @@
 
 Before a turn the router needs the prompt's token ids: to check that it extends what decode
 holds for the conversation, and to choose whether decode computes the new tokens itself.
-Asking prefill's ``/tokenize`` costs a round trip through vLLM's API server: 6 ms median per
-turn in the router's turn records on ``cpu-bench`` with one conversation, 12 ms at 16, all of
-it before the turn's first leg is sent. The same rendering and tokenizing in the router's own
-process takes ~2 ms for a 2,000-token chat.
+Asking prefill's ``/tokenize`` costs a round trip through vLLM's API server, queued behind
+its other requests, all of it before the turn's first leg is sent; the same rendering and
+tokenizing in the router's own process costs only the work itself.
 
 :class:`PromptTokenizer` does it for the requests whose rendering it mirrors exactly (vLLM
 0.32's ``parse_chat_messages`` and ``safe_apply_chat_template``, then the tokenizer with the
