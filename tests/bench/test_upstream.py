@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 
 from kvtether.bench import _upstream, _vllm_router
-from kvtether.bench.strategies import STRATEGIES, Strategy, StrategyOptions, start_strategy
+from kvtether.bench.strategies import (
+    STRATEGIES,
+    Strategy,
+    StrategyOptions,
+    stack_settings,
+    start_strategy,
+)
 from kvtether.stack._commands import kv_transfer_config
 from kvtether.stack._plan import plan_processes
 
@@ -56,8 +62,8 @@ def test_vllm_routers_own_parser_reads_it_as_pd_mode() -> None:
 
 @pytest.mark.parametrize("connector", ["kvtether", "nixl"])
 def test_the_engines_run_one_way_with_no_kvtether_router(tmp_path: Path, connector: str) -> None:
-    settings = _upstream.pd_settings(STRATEGIES["pd-oneway"],
-                                     _opts(tmp_path, baseline_connector=connector))
+    settings = _upstream.pd_settings(stack_settings(
+        STRATEGIES["pd-oneway"], _opts(tmp_path, baseline_connector=connector)))
     assert not settings.start_router and not settings.warm_up
     assert settings.connector == connector
     plans = plan_processes(settings, tmp_path, "served", "secret")

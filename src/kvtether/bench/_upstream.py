@@ -30,12 +30,13 @@ import logging
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvtether.bench import _vllm_router
 
 if TYPE_CHECKING:
-    from kvtether.bench.strategies import Endpoints, Strategy, StrategyOptions
+    from kvtether.stack.launcher import Stack
+    from kvtether.stack.settings import StackSettings
 
 logger = logging.getLogger(__name__)
 
@@ -56,33 +57,28 @@ def pd_router_args(prefill_urls: Sequence[str], decode_urls: Sequence[str]) -> l
     return args
 
 
-def pd_settings(strategy: Strategy, opts: StrategyOptions) -> Any:
-    """The strategy's :class:`~kvtether.stack.settings.StackSettings`, engines only: vllm-router
-    takes the kvtether router's place (and port), and warms the NIXL links itself."""
-    from kvtether.bench.strategies import stack_settings
-
-    settings = stack_settings(strategy, opts)
+def pd_settings(settings: StackSettings) -> StackSettings:
+    """A P/D strategy's stack settings, engines only: vllm-router takes the kvtether router's
+    place (and port), and warms the NIXL links itself."""
     return settings.model_copy(update={"start_router": False, "warm_up": False})
 
 
 @contextmanager
-def start_upstream_pd(strategy: Strategy, opts: StrategyOptions) -> Iterator[Endpoints]:
-    """Start the P/D instances, then vllm-router in P/D mode on ``opts.port``; yield the
-    :class:`~kvtether.bench.strategies.Endpoints` (``router_url`` None: vllm-router reports no
-    per-turn reuse or timings); stop everything on exit (errors and Ctrl-C too)."""
-    from kvtether.bench.strategies import Endpoints
-    from kvtether.stack._commands import core_list, stack_cores
+def start_upstream_pd(settings: StackSettings, port: int) -> Iterator[tuple[str, Stack]]:
+    """Start the P/D instances of ``settings`` (engines only: :func:`pd_settings`), then
+    vllm-router in P/D mode on ``port``; yield vllm-router's URL and the running stack; stop
+    everything on exit (errors and Ctrl-C too)."""
     from kvtether.stack._warmup import warm_up
     from kvtether.stack.launcher import Stack
 
     _vllm_router.require_vllm_router()  # before minutes of vLLM start-up, not after
-    settings = pd_settings(strategy, opts)
+    settings = pd_settings(settings)
     with ExitStack() as running:
         stack = running.enter_context(Stack(settings))
         # Its Prometheus port: port+1, free without kvtether router replicas (the engines
         # are on port+100.., their control channels on port+200..).
         url = running.enter_context(_vllm_router.start_vllm_router(
-            [], host=settings.host, port=opts.port, metrics_port=opts.port + 1,
+            [], host=settings.host, port=port, metrics_port=port + 1,
             log_path=Path(settings.state_dir) / "logs" / "vllm-router.log",
             health_timeout_s=settings.health_timeout_s, stop_timeout_s=settings.stop_timeout_s,
             policy=PD_POLICY,
@@ -98,11 +94,4 @@ def start_upstream_pd(strategy: Strategy, opts: StrategyOptions) -> Iterator[End
                          timeout_s=settings.health_timeout_s)
         logger.info("vllm-router P/D warm-up: %d turn(s) in %.1f s", len(report.outcomes),
                     report.seconds)
-        yield Endpoints(
-            openai_base_url=f"{url}/v1", router_url=None, kv_urls=list(stack.decode_urls),
-            served_model_name=stack.served_model_name, block_size=settings.block_size_tokens,
-            prefill_urls=list(stack.prefill_urls),
-            recompute_threshold=settings.kv_recompute_threshold_tokens,
-            cores=core_list(stack_cores(settings)) if settings.device == "cpu" else None,
-            instances=settings.instance_count,
-        )
+        yield url, stack

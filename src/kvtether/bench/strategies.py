@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from kvtether.bench._upstream import start_upstream_pd
+
 __all__ = ["Endpoints", "STRATEGIES", "Strategy", "StrategyOptions", "start_strategy"]
 
 # vLLM's decoder_kv_blocks_ttl and kvtether's lease defaults, in workload seconds; the replay
@@ -181,12 +183,10 @@ def start_strategy(strategy: Strategy, opts: StrategyOptions) -> Iterator[Endpoi
             yield endpoints
         return
     if strategy.router == "vllm-router":
-        from kvtether.bench._upstream import start_upstream_pd
-
-        with start_upstream_pd(strategy, opts) as endpoints:
-            yield endpoints
+        with start_upstream_pd(settings, opts.port) as (url, stack):
+            # vllm-router reports no per-turn reuse or timings: no router_url.
+            yield _stack_endpoints(url, None, stack, settings)
         return
-    from kvtether.stack._commands import core_list, stack_cores
     from kvtether.stack.launcher import Stack
 
     # The router caps leases at max_lease_s, a router-only setting: scaled like every other
@@ -196,19 +196,27 @@ def start_strategy(strategy: Strategy, opts: StrategyOptions) -> Iterator[Endpoi
     os.environ[env_key] = str(router_max_lease_s(opts))
     try:
         with Stack(settings) as stack:
-            yield Endpoints(
-                openai_base_url=f"{stack.router_url}/v1", router_url=stack.router_url,
-                kv_urls=list(stack.decode_urls), served_model_name=stack.served_model_name,
-                prefill_urls=list(stack.prefill_urls), block_size=settings.block_size_tokens,
-                recompute_threshold=settings.kv_recompute_threshold_tokens,
-                cores=core_list(stack_cores(settings)) if settings.device == "cpu" else None,
-                instances=settings.instance_count,
-            )
+            yield _stack_endpoints(stack.router_url, stack.router_url, stack, settings)
     finally:
         if previous is None:
             os.environ.pop(env_key, None)
         else:
             os.environ[env_key] = previous
+
+
+def _stack_endpoints(base_url: str, router_url: str | None, stack: Any,
+                     settings: Any) -> Endpoints:
+    """The endpoints of a running P/D stack served at ``base_url``."""
+    from kvtether.stack._commands import core_list, stack_cores
+
+    return Endpoints(
+        openai_base_url=f"{base_url}/v1", router_url=router_url,
+        kv_urls=list(stack.decode_urls), served_model_name=stack.served_model_name,
+        prefill_urls=list(stack.prefill_urls), block_size=settings.block_size_tokens,
+        recompute_threshold=settings.kv_recompute_threshold_tokens,
+        cores=core_list(stack_cores(settings)) if settings.device == "cpu" else None,
+        instances=settings.instance_count,
+    )
 
 
 def colocated_cores(strategy: Strategy, settings: Any) -> list[list[int]]:
