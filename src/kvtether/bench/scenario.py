@@ -29,10 +29,20 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
+from kvtether.bench._scenario_model import (
+    GapKind,
+    Message,
+    Scenario,
+    ScenarioSession,
+    ScenarioTurn,
+    read_json,
+    vocabulary_text,
+)
+from kvtether.bench.traces import is_trace_data, load_trace_scenario
 from kvtether.bench.workload import TOOLS, generate_sessions
 from kvtether.errors import ScenarioError
 
@@ -48,97 +58,6 @@ __all__ = [
     "read_json",
 ]
 
-SCENARIO_VERSION = 1
-GapKind = Literal["tool", "human", "end"]
-
-# Words that tokenizers mostly keep whole: about one token per word (plus its space).
-_VOCAB = (
-    "the a to of and in is it for on with as at by from this that file line test error value "
-    "function class module return import call result output input data list map key item "
-    "read write open close path name type size count index start end next time step plan "
-    "check update build run pass fail log trace stack cache token lease block decode prefill "
-    "router request response model agent tool user system message turn session history"
-).split()
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
-
-
-class ScenarioTurn(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    append: list[Message] = Field(min_length=1, description="messages added before the call")
-    max_tokens: int = Field(ge=1, description="output cap of the model call")
-    gap_s: float = Field(default=0.0, ge=0, description="workload seconds until the next turn")
-    gap_kind: GapKind = "end"
-    tool: str | None = Field(default=None, description="the tool that runs during the gap")
-
-
-class ScenarioSession(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    id: str = Field(min_length=1, max_length=200)
-    start_s: float = Field(default=0.0, ge=0, description="workload seconds after the run starts")
-    stream: bool = True
-    turns: list[ScenarioTurn] = Field(min_length=1)
-
-
-class Scenario(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    kvtether_scenario: Literal[1] = SCENARIO_VERSION
-    name: str
-    source: dict[str, Any] = Field(default_factory=dict, description="how it was made")
-    system_prompt: str
-    sessions: list[ScenarioSession] = Field(min_length=1)
-
-    # --- facts about it ------------------------------------------------------------------
-    @property
-    def turns(self) -> int:
-        return sum(len(s.turns) for s in self.sessions)
-
-    def gaps(self, kind: GapKind) -> list[float]:
-        return [t.gap_s for s in self.sessions for t in s.turns if t.gap_kind == kind]
-
-    def summary(self, fixed_ttl_s: float | None = None) -> dict[str, Any]:
-        tools, humans = self.gaps("tool"), self.gaps("human")
-        out: dict[str, Any] = {
-            "sessions": len(self.sessions),
-            "turns": self.turns,
-            "streamed_sessions": sum(s.stream for s in self.sessions),
-            "tool_gaps": len(tools),
-            "human_gaps": len(humans),
-            "longest_tool_s": round(max(tools, default=0.0), 1),
-            "longest_human_s": round(max(humans, default=0.0), 1),
-        }
-        if fixed_ttl_s is not None:
-            out["gaps_longer_than_fixed_ttl"] = sum(g > fixed_ttl_s for g in tools + humans)
-        return out
-
-    def under_own_prompt(self, label: str) -> Scenario:
-        """This scenario with ``label`` ahead of its system prompt. For replaying it again on
-        the same engines: fresh conversation ids keep the replays' retained KV apart, but a
-        prefix cache (colocated's, prefill's) matches prompts, not ids, and would serve a later
-        replay whole prompts an earlier one computed."""
-        return self.model_copy(update={"system_prompt": f"{label}.\n{self.system_prompt}"})
-
-    # --- files ---------------------------------------------------------------------------
-    def save(self, path: Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.model_dump_json(indent=1) + "\n")
-
-
-def read_json(path: Path, what: str) -> Any:
-    """``path``'s JSON; a :class:`ScenarioError` naming ``what`` when it cannot be read."""
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ScenarioError(f"{what} {path} does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ScenarioError(f"cannot read {what} {path}: {exc}") from None
-
-
 def load_scenario(path: Path, *, think_s: float = 60.0, max_tokens_cap: int = 256) -> Scenario:
     """A kvtether scenario file, vLLM ``benchmarks/multi_turn`` conversations, or recorded
     agent traces (a kv-cache-tester trace file, a directory of them, or a bundle; converted
@@ -151,8 +70,6 @@ def load_scenario(path: Path, *, think_s: float = 60.0, max_tokens_cap: int = 25
     """
     path = Path(path)
     if path.is_dir():  # recorded agent traces, one file per conversation
-        from kvtether.bench.traces import load_trace_scenario  # it imports this module
-
         return load_trace_scenario(path, max_output_tokens=max_tokens_cap)
     data = read_json(path, "scenario file")
     if isinstance(data, dict) and "kvtether_scenario" in data:
@@ -164,8 +81,6 @@ def load_scenario(path: Path, *, think_s: float = 60.0, max_tokens_cap: int = 25
             raise ScenarioError(f"{path}: {where}: {first['msg']}") from None
     if isinstance(data, list):
         return _from_vllm_multi_turn(data, path, think_s, max_tokens_cap)
-    from kvtether.bench.traces import is_trace_data, load_trace_scenario
-
     if is_trace_data(data):
         return load_trace_scenario(path, data, max_output_tokens=max_tokens_cap)
     raise ScenarioError(
@@ -223,15 +138,11 @@ def _from_vllm_multi_turn(
 
 
 # --- the generator -------------------------------------------------------------------------
-def _text(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(_VOCAB) for _ in range(max(1, words)))
-
-
 def _system_prompt(rng: random.Random, tokens: int) -> str:
     """Instructions plus the tool schemas, as an agent framework renders them."""
     schemas = [
         {"type": "function", "function": {
-            "name": t.name, "description": f"{t.name.replace('_', ' ')}: {_text(rng, 12)}",
+            "name": t.name, "description": f"{t.name.replace('_', ' ')}: {vocabulary_text(rng, 12)}",
             "parameters": {"type": "object", "properties": {t.arg_name: {"type": "string"}},
                            "required": [t.arg_name]}}}
         for t in TOOLS
@@ -239,7 +150,7 @@ def _system_prompt(rng: random.Random, tokens: int) -> str:
     head = "You are a coding agent. Call tools to inspect and change the repository. Tools:\n"
     body = json.dumps(schemas, separators=(",", ":"))
     words = max(0, tokens - len(body) // 3 - 20)
-    return f"{head}{body}\nGuidelines: {_text(rng, words)}"
+    return f"{head}{body}\nGuidelines: {vocabulary_text(rng, words)}"
 
 
 def generate_scenario(
@@ -290,7 +201,7 @@ def generate_scenario(
         scale = (room - first_user) / max(growth(shape), 1.0)
         scales.append(scale)
         scenario_turns: list[dict[str, Any]] = []
-        append = [Message(role="user", content="Task: " + _text(srng, first_user))]
+        append = [Message(role="user", content="Task: " + vocabulary_text(srng, first_user))]
         for k, step in enumerate(shape.steps):
             max_tokens = max(4, min(max_output_tokens, round(step.output_tokens * scale)))
             turn: dict[str, Any] = {"append": append, "max_tokens": max_tokens,
@@ -304,10 +215,10 @@ def generate_scenario(
                 args = json.dumps(step.tool_args)
                 append = [Message(role="user",
                                   content=f"Result of {step.tool_name}({args}):\n"
-                                  + _text(srng, words))]
+                                  + vocabulary_text(srng, words))]
             elif step.action == "user":
                 turn["gap_kind"] = "human"
-                append = [Message(role="user", content=_text(srng, words))]
+                append = [Message(role="user", content=vocabulary_text(srng, words))]
             scenario_turns.append(turn)
         out.append({"id": f"s{i:03d}", "start_s": round(start, 3),
                     "stream": rng.random() < stream_fraction, "turns": scenario_turns})

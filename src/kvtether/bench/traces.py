@@ -41,15 +41,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from kvtether.bench.scenario import (
+from kvtether.bench._scenario_model import (
     GapKind,
     Message,
     Scenario,
-    ScenarioError,
     ScenarioSession,
     ScenarioTurn,
-    _text,
     read_json,
+    vocabulary_text,
 )
 from kvtether.bench.workload import (
     AgentSession,
@@ -58,6 +57,7 @@ from kvtether.bench.workload import (
     score_predictions,
     score_predictions_by_turn,
 )
+from kvtether.errors import ScenarioError
 
 __all__ = [
     "BUNDLE_VERSION",
@@ -294,16 +294,16 @@ def to_scenario(
             max_tokens = min(max_tokens, max_output_tokens)
             if k == 0:
                 words = max(8, round(req.input_tokens / factor) - system_tokens)
-                append = [Message(role="user", content="Task: " + _text(trng, words))]
+                append = [Message(role="user", content="Task: " + vocabulary_text(trng, words))]
             else:
                 # The prompt grows by what the trace's did; the model's own answer (up to the
                 # previous turn's max_tokens) is part of that growth.
                 grown = round((req.input_tokens - requests[k - 1].input_tokens) / factor)
                 words = max(4, grown - previous_max_tokens)
                 if req.tool_result:
-                    content = f"Result of {_TOOL_NAME}:\n" + _text(trng, words)
+                    content = f"Result of {_TOOL_NAME}:\n" + vocabulary_text(trng, words)
                 else:
-                    content = _text(trng, words)
+                    content = vocabulary_text(trng, words)
                 append = [Message(role="user", content=content)]
             gap_s, tool = 0.0, None
             gap_kind: GapKind = "end"
@@ -337,7 +337,7 @@ def to_scenario(
         },
     })
     system = ("You are a coding agent replaying a recorded Claude Code session. Tools and "
-              "instructions: " + _text(random.Random(f"{seed}-system"), system_tokens - 16))
+              "instructions: " + vocabulary_text(random.Random(f"{seed}-system"), system_tokens - 16))
     return Scenario(name=name, source=recorded, system_prompt=system, sessions=out)
 
 
@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             extra = json.loads(args.bundle_source) if args.bundle_source else {}
             data = bundle(conversations, {**source, **extra}, args.bundle_max_requests)
             args.bundle_out.parent.mkdir(parents=True, exist_ok=True)
-            args.bundle_out.write_text(json.dumps(data, separators=(",", ":")) + "\n")
+            args.bundle_out.writevocabulary_text(json.dumps(data, separators=(",", ":")) + "\n")
             print(f"wrote {args.bundle_out}: {len(conversations)} conversations")
         if args.predict:
             result = score_prediction(conversations)
