@@ -246,7 +246,7 @@ def test_each_level_has_prompts_of_its_own_so_no_prefix_cache_carries_over() -> 
     # Found in a real sweep: colocated's prefix cache served levels 4 and 16 the whole prompts
     # level 1 had computed (fresh conversation ids do not stop a cache that matches prompts).
     from kvtether.bench.scenario import generate_scenario
-    from kvtether.bench.sweep import at_level
+    from kvtether.bench.runner import at_level
 
     scenario = generate_scenario(sessions=2, seed=1)
     one, four = at_level(scenario, 1), at_level(scenario, 4)

@@ -5,46 +5,37 @@ strategies one after the other on this host, each started fresh and stopped befo
 (also on errors and Ctrl-C). ``colocated`` runs first: its greedy outputs are the reference
 the others are compared with. Writes ``results.json``, ``results.md`` and three plots to
 ``--out``, and prints the table. With ``--concurrency`` it runs the concurrency sweep instead
-(:mod:`kvtether.bench.sweep`).
+(:mod:`kvtether.bench.sweep`). The runs themselves are :mod:`kvtether.bench.runner`'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import logging
-import platform
 import shlex
 import sys
-import uuid
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvtether.bench import report
-from kvtether.bench.metrics import mark_divergence, summarize_replay
-from kvtether.bench.scenario import Scenario, ScenarioError, generate_scenario, load_scenario
-from kvtether.bench.strategies import (
-    FIXED_TTL_S,
-    STRATEGIES,
-    Endpoints,
-    Strategy,
-    StrategyOptions,
-    start_strategy,
+from kvtether.bench import report, sweep
+from kvtether.bench.runner import (
+    StartStrategy,
+    check_levels,
+    replay_scenario,
+    run_meta,
+    strategy_options,
 )
+from kvtether.bench.runner import run_compare as run
+from kvtether.bench.scenario import Scenario, ScenarioError, generate_scenario, load_scenario
+from kvtether.bench.strategies import FIXED_TTL_S, STRATEGIES, start_strategy
 
-if TYPE_CHECKING:
-    from kvtether.bench.replay import ReplayResult, TurnGate
-
-__all__ = ["StartStrategy", "build_parser", "check_levels", "generate_main", "main", "replay_scenario",
-           "run", "run_meta", "strategy_options"]
+# The run core's names stay importable from here, where the bench's library users found them.
+__all__ = ["StartStrategy", "build_parser", "check_levels", "generate_main", "main",
+           "replay_scenario", "run", "run_meta", "strategy_options"]
 
 logger = logging.getLogger(__name__)
-
-# How a strategy's servers are started: ``start_strategy``, or fakes in tests.
-StartStrategy = Callable[[Strategy, StrategyOptions], AbstractContextManager[Endpoints]]
 
 
 def _scenario_args(parser: argparse.ArgumentParser) -> None:
@@ -145,107 +136,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def strategy_options(args: argparse.Namespace) -> StrategyOptions:
-    return StrategyOptions(
-        profile=args.profile, compress=args.compress, port=args.port, state_dir=args.state_dir,
-        prefill_prefix_caching=args.prefill_cache, max_retained_tokens=args.max_retained_tokens,
-        baseline_connector=args.baseline_connector,
-    )
-
-
-def run_meta(args: argparse.Namespace, scenario: Scenario, command: str,
-             reference: str | None) -> dict[str, Any]:
-    """What a results file says about how the run was made."""
-    return {
-        "command": command,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": f"{platform.node()} ({platform.machine()}, {_cpu_count()} cores)",
-        "profile": args.profile,
-        "compress": args.compress,
-        "fixed_ttl_s": FIXED_TTL_S,
-        "prefill_prefix_caching": args.prefill_cache,
-        "baseline_connector": args.baseline_connector,
-        "reference": reference,
-        "scenario": {"name": scenario.name, "source": scenario.source},
-        "scenario_summary": scenario.summary(FIXED_TTL_S),
-    }
-
-
-def run(args: argparse.Namespace, scenario: Scenario, command: str, *,
-        start: StartStrategy = start_strategy) -> dict[str, Any]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    opts = strategy_options(args)
-    run_id = uuid.uuid4().hex[:8]
-    strategies: dict[str, dict[str, Any]] = {}
-    turns_by_strategy: dict[str, list[Any]] = {}
-    columns = (TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("turns"), TimeElapsedColumn())
-    with Progress(*columns) as progress:
-        tasks = {name: progress.add_task(f"{name}: waiting", total=scenario.turns)
-                 for name in args.strategies}
-        for name in args.strategies:
-            strategy = STRATEGIES[name]
-            task = tasks[name]
-            progress.update(task, description=f"{name}: starting")
-            with start(strategy, opts) as endpoints:
-                progress.update(task, description=f"{name}: replaying")
-                replayed = asyncio.run(replay_scenario(
-                    scenario, endpoints, strategy, args, run_id,
-                    lambda n, t=task: progress.advance(t, n)))
-            progress.update(task, description=f"{name}: done")
-            turns_by_strategy[name] = replayed.turns
-            strategies[name] = {"replay": replayed, "endpoints": endpoints}
-    reference = "colocated" if "colocated" in turns_by_strategy else None
-    if reference:
-        for name, turns in turns_by_strategy.items():
-            if name != reference:
-                mark_divergence(turns_by_strategy[reference], turns)
-    summary: dict[str, Any] = {}
-    detail: dict[str, Any] = {}
-    for name, data in strategies.items():
-        r = data["replay"]
-        kv = [(s.t_s, s.tokens) for s in r.kv]
-        m = summarize_replay(name, r, compress=args.compress)
-        summary[name] = m.as_dict()
-        detail[name] = {
-            "description": STRATEGIES[name].description,
-            # The hardware it ran on: CPU cores ("0-1"; None on GPU hosts) and engines.
-            "cores": data["endpoints"].cores,
-            "instances": data["endpoints"].instances,
-            "kv_capacity_tokens": r.kv_capacity_tokens,
-            "turns": [t.as_dict() for t in r.turns],
-            "kv": kv,
-        }
-    return {
-        "run": run_meta(args, scenario, command, reference),
-        "summary": summary,
-        "targets": report.targets(summary),
-        "strategies": detail,
-    }
-
-
-def _cpu_count() -> int:
-    import os
-
-    return os.cpu_count() or 1
-
-
-async def replay_scenario(scenario: Scenario, endpoints: Endpoints, strategy: Strategy,
-                          args: argparse.Namespace, run_id: str,
-                          advance: Callable[[int], None],
-                          concurrency: int | None = None,
-                          gate: TurnGate | None = None) -> ReplayResult:
-    """One replay of ``scenario`` with the bench's options and drain cap."""
-    from kvtether.bench.replay import replay
-
-    return await replay(
-        scenario, endpoints, strategy, compress=args.compress, run_id=run_id,
-        drain_cap_s=FIXED_TTL_S / args.compress + 15.0, timeout_s=args.turn_timeout_s,
-        advance=advance, concurrency=concurrency, gate=gate,
-    )
-
-
 def _print_table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -259,11 +149,11 @@ def _print_table(result: dict[str, Any]) -> None:
     for name, m in result["summary"].items():
         table.add_row(
             name, f"{m['fired_turns']}/{m['eligible_turns']}",
-            f"{report._fmt(m['ttft_p50_s'], 2)}/{report._fmt(m['ttft_p99_s'], 2)}",
-            f"{report._ms(m['tpot_p50_s'])}/{report._ms(m['tpot_p99_s'])}",
-            report._fmt(m["core_s_per_turn"], 2),
+            f"{report.fmt(m['ttft_p50_s'], 2)}/{report.fmt(m['ttft_p99_s'], 2)}",
+            f"{report.fmt_ms(m['tpot_p50_s'])}/{report.fmt_ms(m['tpot_p99_s'])}",
+            report.fmt(m["core_s_per_turn"], 2),
             str(m["recomputed_tokens"]), f"{m['retained_kv_token_s_workload']:.0f}",
-            "ref" if name == meta["reference"] else report._fmt(m["divergent_outputs"]),
+            "ref" if name == meta["reference"] else report.fmt(m["divergent_outputs"]),
             str(m["failed_turns"]),
         )
     console = Console()
@@ -271,15 +161,6 @@ def _print_table(result: dict[str, Any]) -> None:
     for row in result["targets"]:
         met = "-" if row["met"] is None else ("met" if row["met"] else "MISSED")
         console.print(f"  {row['target']}: {row['measured']} (goal {row['goal']}) {met}")
-
-
-def check_levels(parser: argparse.ArgumentParser, levels: Sequence[int]) -> None:
-    """Refuse ``--concurrency`` levels below 1 or given twice (exits through ``parser``)."""
-    if any(n < 1 for n in levels):
-        parser.error(f"--concurrency levels must be at least 1 (got {min(levels)}): a "
-                     "level is how many sessions may run at the same time")
-    if len(set(levels)) != len(levels):
-        parser.error("--concurrency levels must differ (each level is replayed once)")
 
 
 def main(argv: list[str] | None = None, *, start: StartStrategy = start_strategy) -> int:
@@ -302,8 +183,6 @@ def main(argv: list[str] | None = None, *, start: StartStrategy = start_strategy
         parser.error(str(exc))
     command = "kvtether bench " + shlex.join(argv)
     if levels is not None:
-        from kvtether.bench import sweep
-
         out = args.out or args.state_dir / f"sweep-{datetime.datetime.now():%Y%m%d-%H%M%S}"
         scenario.save(out / "scenario.json")
         paths = sweep.sweep_main(args, scenario, command, levels, out, start=start)

@@ -17,9 +17,7 @@ command, run on a GPU host with ``--profile gpu``, answers the question there.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
-import functools
 import math
 import shlex
 import sys
@@ -28,20 +26,21 @@ from pathlib import Path
 from typing import Any
 
 from kvtether.bench import report
-from kvtether.bench.compare import (
+from kvtether.bench.metrics import summarize_replay
+from kvtether.bench.runner import (
+    REFERENCE,
+    Replay,
     StartStrategy,
     check_levels,
-    replay_scenario,
+    mark_divergences,
+    replay_each_strategy,
     run_meta,
-    strategy_options,
 )
-from kvtether.bench.metrics import mark_divergence, summarize_replay
 from kvtether.bench.scenario import Scenario, generate_scenario
 from kvtether.bench.strategies import STRATEGIES, start_strategy
 
 __all__ = ["build_parser", "cell_scenario", "main", "run_crossover", "verdicts"]
 
-REFERENCE = "colocated"
 BASELINES = ("colocated", "colocated-dp")
 DEFAULT_STRATEGIES = ("colocated", "colocated-dp", "kvtether")
 
@@ -88,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _options(args: argparse.Namespace) -> argparse.Namespace:
-    """The namespace the compare helpers read (strategy options, replay options)."""
+    """The namespace the run core reads (strategy options, replay options)."""
     return argparse.Namespace(
         **vars(args), max_retained_tokens=None, baseline_connector="kvtether")
 
@@ -108,40 +107,20 @@ def run_crossover(args: argparse.Namespace, command: str, *,
                   start: StartStrategy = start_strategy) -> dict[str, Any]:
     """Replay every cell on every strategy; returns ``run``, ``rows`` (one summary per cell
     and strategy), ``verdicts`` (:func:`verdicts`) and ``detail`` (every turn)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     opts_ns = _options(args)
-    opts = strategy_options(opts_ns)
     run_id = uuid.uuid4().hex[:8]
     scenarios = {length: cell_scenario(args, length) for length in args.context_tokens}
-    cells = [(length, level) for length in args.context_tokens for level in args.concurrency]
-    replays: dict[tuple[int, int], dict[str, Any]] = {cell: {} for cell in cells}
-    total = sum(scenarios[length].turns for length, _ in cells)
-    columns = (TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("turns"), TimeElapsedColumn())
-    with Progress(*columns) as progress:
-        tasks = {name: progress.add_task(f"{name}: waiting", total=total)
-                 for name in args.strategies}
-        for name in args.strategies:
-            strategy, task = STRATEGIES[name], tasks[name]
-            progress.update(task, description=f"{name}: starting")
-            with start(strategy, opts) as endpoints:
-                for length, level in cells:
-                    progress.update(task, description=f"{name}: {length} tokens, {level} at once")
-                    scenario = scenarios[length].under_own_prompt(f"Cell {length} {level}")
-                    replays[(length, level)][name] = asyncio.run(replay_scenario(
-                        scenario, endpoints, strategy, opts_ns, f"{run_id}-{length}-{level}",
-                        functools.partial(progress.advance, task), concurrency=level))
-            progress.update(task, description=f"{name}: done")
-
+    cells = {
+        (length, level): Replay(
+            scenarios[length].under_own_prompt(f"Cell {length} {level}"),
+            f"{run_id}-{length}-{level}", level, f"{length} tokens, {level} at once")
+        for length in args.context_tokens for level in args.concurrency}
+    results, _ = replay_each_strategy(opts_ns, cells, start=start, label_width=34)
     reference = REFERENCE if REFERENCE in args.strategies else None
     rows: list[dict[str, Any]] = []
     detail: dict[str, dict[str, Any]] = {}
-    for (length, level), by_name in replays.items():
-        if reference:
-            for name, replayed in by_name.items():
-                if name != reference:
-                    mark_divergence(by_name[reference].turns, replayed.turns)
+    for (length, level), by_name in results.items():
+        mark_divergences(by_name, reference)
         for name, replayed in by_name.items():
             m = summarize_replay(name, replayed, compress=args.compress)
             rows.append({"context_tokens": length, "concurrency": level, **m.as_dict()})
@@ -189,7 +168,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _fmt(v: Any, digits: int = 2) -> str:
-    return report._fmt(v, digits)
+    return report.fmt(v, digits)
 
 
 def render_markdown(result: dict[str, Any]) -> str:
@@ -235,7 +214,7 @@ def render_markdown(result: dict[str, Any]) -> str:
 def write_plot(result: dict[str, Any], out: Path) -> list[Path]:
     """crossover.png: kvtether's TTFT and throughput ratios to the better colocated baseline
     against the context length, one line per concurrency; [] without matplotlib."""
-    plt = report._pyplot()
+    plt = report.pyplot()
     if plt is None or not result["verdicts"]:
         return []
     out.mkdir(parents=True, exist_ok=True)
@@ -262,7 +241,7 @@ def write_plot(result: dict[str, Any], out: Path) -> list[Path]:
         ax.minorticks_off()
         ax.set_xlabel("context length (tokens)")
     fig.tight_layout()
-    return [report._save(plt, fig, [ttft, rate], out / "crossover.png")]
+    return [report.save_plot(plt, fig, [ttft, rate], out / "crossover.png")]
 
 
 def main(argv: list[str] | None = None, *, start: StartStrategy = start_strategy) -> int:
@@ -280,7 +259,7 @@ def main(argv: list[str] | None = None, *, start: StartStrategy = start_strategy
         parser.error("--strategies needs kvtether and colocated or colocated-dp")
     out = args.out or args.state_dir / f"crossover-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     result = run_crossover(args, "kvtether bench crossover " + shlex.join(argv), start=start)
-    paths = report._write(result, out, "crossover", render_markdown)
+    paths = report.write_files(result, out, "crossover", render_markdown)
     if not args.no_plots:
         paths += write_plot(result, out)
     print(render_markdown(result))

@@ -11,14 +11,16 @@ from typing import Any
 
 from kvtether.bench.metrics import same_turn_ratios
 
-__all__ = ["TARGETS", "kvtether_ratios", "render_markdown", "render_sweep_markdown", "targets",
-           "write_plots", "write_results", "write_sweep", "write_sweep_plot"]
+__all__ = ["TARGETS", "fmt", "fmt_ms", "kvtether_ratios", "pyplot", "render_markdown",
+           "render_sweep_markdown", "save_plot", "targets", "write_files", "write_plots",
+           "write_results", "write_sweep", "write_sweep_plot"]
 
 COLORS = {"colocated": "#555555", "pd-oneway": "#ef6c00", "pd-upstream": "#1565c0",
           "kvtether": "#2e7d32"}
 
 
-def _fmt(v: Any, digits: int = 3) -> str:
+def fmt(v: Any, digits: int = 3) -> str:
+    """A figure for a table: floats to ``digits`` places, ``-`` for one not measured."""
     if v is None:
         return "-"
     if isinstance(v, float):
@@ -26,7 +28,7 @@ def _fmt(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
-def _ms(v: float | None) -> str:
+def fmt_ms(v: float | None) -> str:
     """Seconds as milliseconds (TPOT and inter-token gaps read better so)."""
     return "-" if v is None else f"{1000 * v:.1f}"
 
@@ -42,10 +44,10 @@ def _size(n: float | None) -> str:
     return "-"
 
 
-def _pair(m: dict[str, Any], a: str, b: str, fmt: Callable[[Any], str] = _fmt) -> str:
+def _pair(m: dict[str, Any], a: str, b: str, show: Callable[[Any], str] = fmt) -> str:
     """Two fields of a summary row as ``a / b``; ``-`` where neither was measured."""
     va, vb = m.get(a), m.get(b)
-    return "-" if va is None and vb is None else f"{fmt(va)} / {fmt(vb)}"
+    return "-" if va is None and vb is None else f"{show(va)} / {show(vb)}"
 
 
 def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -129,12 +131,12 @@ def render_markdown(result: dict[str, Any]) -> str:
     for name, m in s.items():
         rate = "" if m["reuse_rate"] is None else f" ({m['reuse_rate']:.0%})"
         div = "ref" if name == meta.get("reference") else (
-            f"{_fmt(m['divergent_outputs'])} / {m['compared_outputs']}")
+            f"{fmt(m['divergent_outputs'])} / {m['compared_outputs']}")
         lines.append(
             f"| {name} | {_pair(m, 'ttft_p50_s', 'ttft_p99_s')} | "
-            f"{_pair(m, 'tpot_p50_s', 'tpot_p99_s', _ms)} | "
+            f"{_pair(m, 'tpot_p50_s', 'tpot_p99_s', fmt_ms)} | "
             f"{m['fired_turns']}/{m['eligible_turns']}{rate} | {div} | "
-            f"{_fmt(m['turns_per_s'])} | {_fmt(m.get('core_s_per_turn'), 2)} |"
+            f"{fmt(m['turns_per_s'])} | {fmt(m.get('core_s_per_turn'), 2)} |"
         )
     lines += ["", "| strategy | TTFT p90 (s) | latency p50 (s) | inter-token gap p50 / p99 (ms) "
               "| prompt tokens computed: total / per turn 2+ | of which reusable "
@@ -147,13 +149,13 @@ def render_markdown(result: dict[str, Any]) -> str:
         moved = ("-" if m.get("kv_p2d_bytes_per_turn") is None and m.get("kv_d2p_source") is None
                  else f"{_size(m.get('kv_p2d_bytes_per_turn'))} / {d2p}")
         lines.append(
-            f"| {name} | {_fmt(m['ttft_p90_s'])} | {_fmt(m['latency_p50_s'])} | "
-            f"{_pair(m, 'itl_p50_s', 'itl_p99_s', _ms)} | {m['recomputed_tokens']} / "
-            f"{_fmt(m.get('recomputed_per_turn_tokens'), 0)} | "
+            f"| {name} | {fmt(m['ttft_p90_s'])} | {fmt(m['latency_p50_s'])} | "
+            f"{_pair(m, 'itl_p50_s', 'itl_p99_s', fmt_ms)} | {m['recomputed_tokens']} / "
+            f"{fmt(m.get('recomputed_per_turn_tokens'), 0)} | "
             f"{m['recomputed_reusable_tokens']} | {moved} | "
             f"{_pair(m, 'kv_p2d_read_p50_s', 'kv_d2p_read_p50_s')} | "
             f"{m['retained_kv_token_s_workload']:.0f} | {m['failed_turns']} | "
-            f"{_fmt(m.get('drain_core_s'), 1)} |"
+            f"{fmt(m.get('drain_core_s'), 1)} |"
         )
     lines += _ratio_lines(result)
     lines += stage_table(s)
@@ -271,7 +273,7 @@ def _same_turn_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _write(result: dict[str, Any], out: Path, stem: str,
+def write_files(result: dict[str, Any], out: Path, stem: str,
            render: Callable[[dict[str, Any]], str]) -> list[Path]:
     """``<stem>.json`` (everything) and ``<stem>.md`` (``render``'s tables)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -282,10 +284,10 @@ def _write(result: dict[str, Any], out: Path, stem: str,
 
 
 def write_results(result: dict[str, Any], out: Path) -> list[Path]:
-    return _write(result, out, "results", render_markdown)
+    return write_files(result, out, "results", render_markdown)
 
 
-def _save(plt: Any, fig: Any, ax: Any, path: Path) -> Path:
+def save_plot(plt: Any, fig: Any, ax: Any, path: Path) -> Path:
     """Legend on each axes (``ax``: one or a list) where anything is labelled, write the PNG,
     free the figure."""
     for a in ax if isinstance(ax, list) else [ax]:
@@ -296,7 +298,7 @@ def _save(plt: Any, fig: Any, ax: Any, path: Path) -> Path:
     return path
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend, or None when matplotlib is missing."""
     try:
         import matplotlib
@@ -311,7 +313,7 @@ def _pyplot() -> Any:
 def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
     """reuse_by_turn.png, ttft_cdf.png, retained_kv.png, ttft_tpot.png; [] when matplotlib
     is missing."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return []
     out.mkdir(parents=True, exist_ok=True)
@@ -330,7 +332,7 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
                 label=name, color=COLORS.get(name))
     ax.set(xlabel="turn index", ylabel="eligible turns that reused (%)", ylim=(-5, 105),
            title="Reuse per turn index")
-    paths.append(_save(plt, fig, ax, out / "reuse_by_turn.png"))
+    paths.append(save_plot(plt, fig, ax, out / "reuse_by_turn.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, data in strategies.items():
@@ -341,7 +343,7 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
                     label=name, color=COLORS.get(name))
     ax.set(xscale="log", xlabel="TTFT, turns 2+ (s, log)", ylabel="fraction of turns",
            title="TTFT CDF (streamed turns)")
-    paths.append(_save(plt, fig, ax, out / "ttft_cdf.png"))
+    paths.append(save_plot(plt, fig, ax, out / "ttft_cdf.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, data in strategies.items():
@@ -350,7 +352,7 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
                 color=COLORS.get(name))
     ax.set(xlabel="workload time (min)", ylabel="KV tokens held on decode",
            title="Retained KV over time")
-    paths.append(_save(plt, fig, ax, out / "retained_kv.png"))
+    paths.append(save_plot(plt, fig, ax, out / "retained_kv.png"))
     paths.append(_ttft_tpot_plot(plt, result["summary"], out / "ttft_tpot.png"))
     return paths
 
@@ -374,7 +376,7 @@ def _ttft_tpot_plot(plt: Any, summary: dict[str, dict[str, Any]], path: Path) ->
     axes[0].set_title("Time to first token")
     axes[1].set_title("Time per output token")
     fig.tight_layout()
-    return _save(plt, fig, [axes[0]], path)
+    return save_plot(plt, fig, [axes[0]], path)
 
 
 # --- concurrency sweep -----------------------------------------------------------------------
@@ -394,7 +396,7 @@ def stage_table(summary: dict[str, dict[str, Any]], label: str = "") -> list[str
              "`TurnTimings`):", "", "| strategy | " + " | ".join(STAGES) + " |",
              "|---" * (len(STAGES) + 1) + "|"]
     for name, stages in rows.items():
-        lines.append(f"| {name} | " + " | ".join(_fmt(stages.get(k)) for k in STAGES) + " |")
+        lines.append(f"| {name} | " + " | ".join(fmt(stages.get(k)) for k in STAGES) + " |")
     return lines
 
 
@@ -414,13 +416,13 @@ def render_sweep_markdown(result: dict[str, Any]) -> str:
     ]
     for row in result["rows"]:
         div = "ref" if row["strategy"] == meta.get("reference") else (
-            f"{_fmt(row['divergent_outputs'])} / {row['compared_outputs']}")
+            f"{fmt(row['divergent_outputs'])} / {row['compared_outputs']}")
         lines.append(
-            f"| {row['concurrency']} | {row['strategy']} | {_fmt(row['ttft_p50_s'])} / "
-            f"{_fmt(row['ttft_p99_s'])} | {_fmt(row['turns_per_s'])} | "
+            f"| {row['concurrency']} | {row['strategy']} | {fmt(row['ttft_p50_s'])} / "
+            f"{fmt(row['ttft_p99_s'])} | {fmt(row['turns_per_s'])} | "
             f"{row['fired_turns']}/{row['eligible_turns']} | {row['failed_turns']} | {div} | "
-            f"{_pair(row, 'tpot_p50_s', 'tpot_p99_s', _ms)} | "
-            f"{_fmt(row.get('core_s_per_turn'), 2)} |"
+            f"{_pair(row, 'tpot_p50_s', 'tpot_p99_s', fmt_ms)} | "
+            f"{fmt(row.get('core_s_per_turn'), 2)} |"
         )
     for level in meta["levels"]:
         at_level = {r["strategy"]: r for r in result["rows"] if r["concurrency"] == level}
@@ -463,13 +465,13 @@ def _spread_lines(result: dict[str, Any]) -> list[str]:
 
 def write_sweep(result: dict[str, Any], out: Path) -> list[Path]:
     """sweep.json (every row, every turn) and sweep.md (the table)."""
-    return _write(result, out, "sweep", render_sweep_markdown)
+    return write_files(result, out, "sweep", render_sweep_markdown)
 
 
 def write_sweep_plot(result: dict[str, Any], out: Path) -> list[Path]:
     """sweep.png: TTFT p50 and p99, and turns/s, against the level, one line per strategy;
     [] when matplotlib is missing."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return []
     out.mkdir(parents=True, exist_ok=True)
@@ -502,4 +504,4 @@ def write_sweep_plot(result: dict[str, Any], out: Path) -> list[Path]:
         ax.set_xticks(levels, [str(n) for n in levels])
         ax.set_xlabel("concurrency (sessions at a time)")
     fig.tight_layout()
-    return [_save(plt, fig, [ttft, rate], out / "sweep.png")]
+    return [save_plot(plt, fig, [ttft, rate], out / "sweep.png")]
