@@ -22,14 +22,12 @@ CPU time of the strategy's processes per completed turn (:func:`summarize`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvtether.bench._measure import percentile
 from kvtether.protocol import reusable_prefix_tokens, reuse_verdict
-
-if TYPE_CHECKING:
-    from kvtether.bench.replay import ReplayResult
 
 __all__ = ["StrategyMetrics", "TurnResult", "classify", "same_turn_ratios", "summarize",
            "summarize_replay"]
@@ -255,7 +253,39 @@ def summarize(
     )
 
 
-def summarize_replay(strategy: str, replayed: ReplayResult, *, compress: float
+class _KVSample(Protocol):
+    @property
+    def t_s(self) -> float: ...
+    @property
+    def tokens(self) -> float: ...
+
+
+class Replayed(Protocol):
+    """What :func:`summarize_replay` reads of a replay: a
+    :class:`~kvtether.bench.replay.ReplayResult` (the replay builds on this module, so this
+    module names the fields it reads instead of importing it)."""
+
+    @property
+    def turns(self) -> list[TurnResult]: ...
+    @property
+    def kv(self) -> Sequence[_KVSample]: ...
+    @property
+    def wall_s(self) -> float: ...
+    @property
+    def drain_s(self) -> float: ...
+    @property
+    def not_run(self) -> int: ...
+    @property
+    def core_s(self) -> float | None: ...
+    @property
+    def drain_core_s(self) -> float | None: ...
+    @property
+    def nixl(self) -> dict[str, dict[str, Any]]: ...
+    @property
+    def kv_bytes_per_token(self) -> int | None: ...
+
+
+def summarize_replay(strategy: str, replayed: Replayed, *, compress: float
                      ) -> StrategyMetrics:
     """:func:`summarize` of one replay, with everything it measured."""
     return summarize(

@@ -17,18 +17,36 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from kvtether.errors import InstanceFailedError, RestartsExhaustedError
 from kvtether.stack._procs import tail
 
 if TYPE_CHECKING:
-    from kvtether.stack.launcher import Stack
     from kvtether.stack.settings import StackSettings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RestartPolicy", "RestartsExhaustedError", "supervise"]
+__all__ = ["RestartPolicy", "RestartsExhaustedError", "Supervised", "supervise"]
+
+
+class Supervised(Protocol):
+    """What the supervisor needs of a running stack (:class:`~kvtether.stack.launcher.Stack`
+    is one): its processes by index, which have died, and a way to start one again."""
+
+    def dead_processes(self) -> list[int]: ...
+
+    def process_name(self, index: int) -> str: ...
+
+    def exit_code(self, index: int) -> int | None: ...
+
+    def log_path(self, index: int) -> Path: ...
+
+    def respawn(self, index: int) -> float:
+        """Start process ``index`` again; seconds until it was healthy (raises
+        :class:`~kvtether.errors.InstanceFailedError` when it never was)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -49,7 +67,7 @@ class RestartPolicy:
 
 
 def supervise(
-    stack: Stack,
+    stack: Supervised,
     policy: RestartPolicy,
     *,
     stop: threading.Event | None = None,
@@ -75,7 +93,7 @@ def supervise(
 
 
 def _restart(
-    stack: Stack, index: int, policy: RestartPolicy, failures: deque[float],
+    stack: Supervised, index: int, policy: RestartPolicy, failures: deque[float],
     stop: threading.Event, say: Callable[[str], None],
 ) -> None:
     name = stack.process_name(index)
