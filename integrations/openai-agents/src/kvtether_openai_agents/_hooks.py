@@ -7,29 +7,41 @@ came is closed at its conversation's next model call. Your own hooks still get e
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import json
+from typing import Any, Protocol
 
 from agents import RunHooks
-
-if TYPE_CHECKING:
-    from kvtether_openai_agents._provider import KVTetherProvider
+from kvtether.session import AsyncSessionPool
 
 __all__ = ["KVTetherHooks"]
+
+
+class _HasPool(Protocol):
+    """What the hooks take: a :class:`~kvtether_openai_agents.KVTetherProvider` (its sessions)."""
+
+    @property
+    def pool(self) -> AsyncSessionPool: ...
 
 
 class KVTetherHooks(RunHooks[Any]):
     """``hooks=provider.hooks`` or ``hooks=KVTetherHooks(provider, wrapped=your_hooks)``."""
 
-    def __init__(self, provider: KVTetherProvider, wrapped: RunHooks[Any] | None = None) -> None:
-        self._provider = provider
+    def __init__(self, provider: _HasPool, wrapped: RunHooks[Any] | None = None) -> None:
+        self._pool = provider.pool
         self._wrapped = wrapped
 
     async def on_tool_start(self, context: Any, agent: Any, tool: Any) -> None:
-        await self._provider._tool_started(
-            getattr(context, "tool_call_id", None),
-            getattr(tool, "name", type(tool).__name__),
-            getattr(context, "tool_arguments", None),
-        )
+        tool_call_id = getattr(context, "tool_call_id", None)
+        if tool_call_id:
+            arguments = getattr(context, "tool_arguments", None)
+            try:
+                args = json.loads(arguments) if isinstance(arguments, str) else arguments
+            except ValueError:
+                args = arguments
+            # Not followed when its reply came from no tethered request (fallback, another
+            # client).
+            await self._pool.abegin_tool(tool_call_id, getattr(tool, "name", type(tool).__name__),
+                                         tool_call_id=tool_call_id, args=args)
         if self._wrapped is not None:
             await self._wrapped.on_tool_start(context, agent, tool)
 
@@ -38,7 +50,9 @@ class KVTetherHooks(RunHooks[Any]):
             if self._wrapped is not None:
                 await self._wrapped.on_tool_end(context, agent, tool, result)
         finally:
-            await self._provider._tool_ended(getattr(context, "tool_call_id", None))
+            tool_call_id = getattr(context, "tool_call_id", None)
+            if tool_call_id:
+                await self._pool.aend_tool(tool_call_id)
 
 
 def _forwarder(name: str) -> Any:

@@ -19,7 +19,6 @@ Requests leave unchanged: the body is exactly what the plain model sends.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import weakref
 from collections.abc import AsyncIterator, Mapping
@@ -38,6 +37,7 @@ from agents import (
 from agents.tracing import get_current_trace
 from kvtether.session import AsyncSession, AsyncSessionPool, SessionSettings
 
+from kvtether_openai_agents._hooks import KVTetherHooks
 from kvtether_openai_agents._keys import RUN_KEY, grouping_key, new_run_key
 
 __all__ = ["KVTetherProvider"]
@@ -269,8 +269,6 @@ class KVTetherProvider(ModelProvider):
     @property
     def hooks(self) -> Any:
         """``RunHooks`` that heartbeat while function tools run: ``Runner.run(..., hooks=...)``."""
-        from kvtether_openai_agents._hooks import KVTetherHooks
-
         return KVTetherHooks(self)
 
     def get_model(self, model_name: str | None) -> Model:
@@ -309,11 +307,9 @@ class KVTetherProvider(ModelProvider):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    # --- used by the runs, the models and the hooks -----------------------------------------
+    # --- used by the runs and the models ---------------------------------------------------
     def _run_options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """``Runner``'s keyword arguments, with the run bound to its conversation."""
-        from kvtether_openai_agents._hooks import KVTetherHooks
-
         run_config = kwargs.get("run_config")
         if isinstance(run_config, Mapping):  # the SDKs that take a dict of RunConfig fields
             group_id, given = run_config.get("group_id"), run_config.get("model_provider")
@@ -382,20 +378,6 @@ class KVTetherProvider(ModelProvider):
                 model=name, openai_client=self._fallback_client
             )
         return fallback
-
-    async def _tool_started(self, tool_call_id: str | None, name: str, arguments: Any) -> None:
-        if not tool_call_id:
-            return
-        try:
-            args = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except ValueError:
-            args = arguments
-        # Not followed when its reply came from no tethered request (fallback, another client).
-        await self._pool.abegin_tool(tool_call_id, name, tool_call_id=tool_call_id, args=args)
-
-    async def _tool_ended(self, tool_call_id: str | None) -> None:
-        if tool_call_id:
-            await self._pool.aend_tool(tool_call_id)
 
     async def _close_stale_tool_calls(self, key: str | None) -> None:
         """A model call of a conversation means its tools are done: close any whose end hook
