@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtether.router._clock import Clock
 from kvtether.router.backends import BackendPool
@@ -10,6 +10,7 @@ from kvtether.router.conversations import ConversationStore
 from kvtether.router.leases import LeaseClient
 from kvtether.router.metrics import RouterMetrics
 from kvtether.router.settings import RouterSettings
+from kvtether.router.tasks import TaskOwner
 
 __all__ = ["RouterDeps"]
 
@@ -22,3 +23,5 @@ class RouterDeps:
     leases: LeaseClient
     metrics: RouterMetrics
     clock: Clock
+    # Every task the router starts outside a request; the app's lifespan drains them.
+    tasks: TaskOwner = field(default_factory=TaskOwner)

@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["create_app"]
 
+# At shutdown, how long the router's own tasks (releases under way) may take to finish.
+_DRAIN_S = 5.0
+
 
 class _ServedModels:
     """The model names prefill serves: ``/v1/models`` relayed, and remembered for checking a
@@ -101,15 +104,10 @@ def create_app(
     for backend in pool.all:
         metrics.prompt_backlog_tokens.labels(backend.name).set_function(
             lambda b=backend: b.prompt_backlog_tokens)
-    background: set[asyncio.Task] = set()
 
     def release_dropped(conv) -> None:  # noqa: ANN001
         if conv.retained is not None:
-            task = asyncio.get_running_loop().create_task(
-                retention.release(conv, p.MissCause.EVICTED)
-            )
-            background.add(task)
-            task.add_done_callback(background.discard)
+            deps.tasks.start(retention.release(conv, p.MissCause.EVICTED))
 
     if store is None:
         store = _make_store(settings, release_dropped, clock, metrics)
@@ -139,6 +137,7 @@ def create_app(
             Exception: _counted(_internal_error, metrics),
         },
     )
+    app.state.deps = deps
     app.state.runner = TurnRunner(deps, retention)
     app.state.tokenizer_load = None  # the task loading RouterSettings.tokenizer
     app.state.retention = retention
@@ -284,6 +283,8 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        # Releases still under way are let finish (the instances free the KV), within bounds.
+        await state.deps.tasks.drain(_DRAIN_S)
         if state.runner.prompts is not None:
             state.runner.prompts.close()
         await state.pool.aclose()

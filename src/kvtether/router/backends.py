@@ -17,7 +17,7 @@ from kvtether.router.settings import RouterSettings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Backend", "BackendPool", "BackendStalledError", "watch"]
+__all__ = ["Backend", "BackendPool", "BackendStalledError", "Slot", "watch"]
 
 T = TypeVar("T")
 
@@ -32,6 +32,8 @@ class Backend:
     url: str
     control_url: str | None
     client: httpx.AsyncClient
+    # Requests in flight here, and the prompt backlog below: changed only through
+    # :meth:`slot` / :meth:`prompt_work`, whose :class:`Slot` gives back what it took.
     inflight: int = 0
     # Prompt tokens this router sent here that have not produced their first token yet: a
     # prefill instance's legs in flight, a decode instance's local-prefill turns. The queue of
@@ -45,6 +47,16 @@ class Backend:
     # worker longer than the router's stall_after_s (a frozen worker); see :func:`watch`.
     stalled_step_s: float | None = None
     _stall: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    def slot(self, prompt_tokens: int = 0) -> Slot:
+        """One request in flight here, with the ``prompt_tokens`` it computes counted in the
+        prompt backlog until :meth:`Slot.prompt_computed` or :meth:`Slot.release`."""
+        return Slot(self, inflight=1, prompt_tokens=prompt_tokens)
+
+    def prompt_work(self, prompt_tokens: int) -> Slot:
+        """Prompt tokens a request will compute here, counted before it is sent (a decode
+        instance's local prefill, while the decode leg opens)."""
+        return Slot(self, inflight=0, prompt_tokens=prompt_tokens)
 
     @property
     def available(self) -> bool:
@@ -128,6 +140,38 @@ class Backend:
                 reader.cancel()
                 with contextlib.suppress(BaseException):
                     await reader
+
+
+class Slot:
+    """A request's share of a backend's load counts (``inflight``, ``prompt_backlog_tokens``),
+    taken when made and given back exactly once: by :meth:`release` (idempotent), at the end
+    of a ``with`` block, or, for the backlog alone, by :meth:`prompt_computed`. A stream that
+    outlives the function that opened it carries its slot and releases it when it ends."""
+
+    __slots__ = ("backend", "_inflight", "_prompt_tokens")
+
+    def __init__(self, backend: Backend, *, inflight: int, prompt_tokens: int) -> None:
+        self.backend = backend
+        self._inflight = inflight
+        self._prompt_tokens = prompt_tokens
+        backend.inflight += inflight
+        backend.prompt_backlog_tokens += prompt_tokens
+
+    def prompt_computed(self) -> None:
+        """The request's prompt is computed (its first token came): drop its backlog."""
+        self.backend.prompt_backlog_tokens -= self._prompt_tokens
+        self._prompt_tokens = 0
+
+    def release(self) -> None:
+        self.prompt_computed()
+        self.backend.inflight -= self._inflight
+        self._inflight = 0
+
+    def __enter__(self) -> Slot:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
 
 
 _LINE_QUEUE = 64  # lines read ahead of the relay, at most
