@@ -18,12 +18,12 @@ from kvtether import protocol as p
 from kvtether.protocol import _kv_params as kv_keys
 from kvtether.router._errors import RouterHTTPError, UpstreamError
 from kvtether.router.apis import api_for
-from kvtether.router.backends import Backend, BackendPool, BackendStalledError, watch
+from kvtether.router.backends import Backend, BackendPool, BackendStalledError, Slot, watch
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "FirstToken", "PrefillRefusedError", "PrefillResult", "PrefillStalledError",
+    "DecodeLeg", "FirstToken", "PrefillRefusedError", "PrefillResult", "PrefillStalledError",
     "PrefillTimedOutError",
     "engine_timings", "failure_kind", "json_or_502",
     "note_failure",
@@ -192,20 +192,16 @@ async def prefill(
     if not api.token_ids_in_answer:
         leg_body["kv_transfer_params"][kv_keys.KV_PARAM_REPORT_TOKEN_IDS] = True
     t0 = time.perf_counter()
-    backend.inflight += 1
-    backend.prompt_backlog_tokens += work_tokens
     try:
-        r = await watch(backend.client.post(
-            endpoint, json=leg_body, headers={"X-Request-Id": request_id},
-            **({"timeout": _leg_timeout(backend, timeout_s)} if timeout_s else {}),
-        ), backend, holder if handle else None)
+        with backend.slot(prompt_tokens=work_tokens):
+            r = await watch(backend.client.post(
+                endpoint, json=leg_body, headers={"X-Request-Id": request_id},
+                **({"timeout": _leg_timeout(backend, timeout_s)} if timeout_s else {}),
+            ), backend, holder if handle else None)
     except httpx.HTTPError as exc:
         raise _prefill_failed(backend, exc, timeout_s) from None
     except BackendStalledError as exc:
         raise PrefillStalledError(backend, time.perf_counter() - t0, exc.backend) from None
-    finally:
-        backend.inflight -= 1
-        backend.prompt_backlog_tokens -= work_tokens
     leg_s = time.perf_counter() - t0
     if r.status_code != 200:
         raise UpstreamError.from_response(r)
@@ -282,11 +278,21 @@ def engine_timings(params: dict[str, Any] | None) -> p.EngineTimings | None:
         return None
 
 
+@dataclass(frozen=True)
+class DecodeLeg:
+    """An open decode leg: the instance, its answer (unread) and the slot it holds there
+    (released when the answer has been relayed)."""
+
+    backend: Backend
+    upstream: httpx.Response
+    slot: Slot
+
+
 async def open_decode(
     pool: BackendPool, preferred: str | None, endpoint: str, body: dict[str, Any],
     request_id: str, *, round_robin: bool = False, stream_idle_timeout_s: float | None = None,
     source: Backend | None = None,
-) -> tuple[Backend, httpx.Response]:
+) -> DecodeLeg:
     """Send the decode leg, to the conversation's instance when it is reachable.
 
     ``round_robin``: ignore ``preferred`` and take the next instance in turn (the reuse
@@ -296,7 +302,7 @@ async def open_decode(
 
     An instance that refuses the connection is skipped for the next one: P keeps this
     turn's KV for a while, so any decode instance can still read it. The answer is returned
-    unread (a stream), with the instance's ``inflight`` count still held for the caller.
+    unread (a stream), with the instance's slot still held for the caller.
     ``source``: the prefill instance whose KV the leg reads; if it stalls before the answer
     starts, the leg is given up (no other decode instance could read that KV either).
     """
@@ -317,11 +323,11 @@ async def open_decode(
         request = decode.client.build_request(
             "POST", endpoint, json=body, headers={"X-Request-Id": request_id}, **extra
         )
-        decode.inflight += 1
+        slot = decode.slot()
         try:
             upstream = await watch(decode.client.send(request, stream=True), decode, source)
         except BackendStalledError as exc:
-            decode.inflight -= 1
+            slot.release()
             if exc.backend is not decode:
                 raise  # the KV to read is on a stalled prefill instance
             # Given up (vLLM aborts the request); P still holds this turn's KV, so another
@@ -329,20 +335,22 @@ async def open_decode(
             stalled = exc
             continue
         except httpx.ConnectError as exc:
-            decode.inflight -= 1
+            slot.release()
             decode.mark_down(repr(exc))
             continue
-        except httpx.HTTPError as exc:
-            decode.inflight -= 1
+        except BaseException as exc:
+            slot.release()
+            if not isinstance(exc, httpx.HTTPError):
+                raise
             note_failure(decode, exc)
             raise RouterHTTPError(502, f"decode instance {decode.name} failed: "
                                   f"{failure_kind(exc)}", code="upstream_unavailable") from None
         if upstream.status_code != 200:
-            decode.inflight -= 1
+            slot.release()
             await upstream.aread()
             await upstream.aclose()
             raise UpstreamError.from_response(upstream)
-        return decode, upstream
+        return DecodeLeg(decode, upstream, slot)
 
 
 def prompt_ids(data: dict[str, Any]) -> list[int]:

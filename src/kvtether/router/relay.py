@@ -1,16 +1,20 @@
 """Relaying D's answer to the client: one JSON body, or an SSE stream passed through chunk by
 chunk. Either way the turn is settled (its record completed, D's handle remembered or
 released) before the client sees the end of the answer, and how the answer ended (in tool
-calls or not, :mod:`.answers`) is known by then."""
+calls or not, :mod:`.answers`) is known by then.
+
+A stream is read in three parts: the SSE parsing (:func:`parse_data_line`,
+:class:`EventFramer`, :class:`FirstTokenSplice`; no I/O), the :class:`StreamObserver` (token
+ids, timings), and the thin async relays that pass the bytes on."""
 
 from __future__ import annotations
 
-import asyncio
+import enum
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -21,34 +25,26 @@ from kvtether.router._clock import Clock
 from kvtether.router._errors import RouterHTTPError, anthropic_error_body
 from kvtether.router.answers import AnswerReader
 from kvtether.router.apis import Api, api_for
-from kvtether.router.backends import Backend, BackendStalledError
-from kvtether.router.conversations import Conversation, HeldConversation
+from kvtether.router.backends import Backend, BackendStalledError, Slot
+from kvtether.router.conversations import Conversation
 from kvtether.router.legs import FirstToken, failure_kind, json_or_502, note_failure, prompt_ids
 from kvtether.router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
-# Releases started when a stream ends early; held here so they are not garbage-collected.
-_background: set[asyncio.Task[Any]] = set()
 
-__all__ = ["Settle", "TurnContext", "greedy_single", "in_background", "relay_events",
-           "relay_once", "relay_stream"]
-
-
-def in_background(work: Awaitable[Any]) -> None:
-    """Start ``work`` (a release nobody waits for) and keep it from being garbage-collected."""
-    task = asyncio.get_running_loop().create_task(work)  # type: ignore[arg-type]
-    _background.add(task)
-    task.add_done_callback(_background.discard)
+__all__ = ["Chunk", "Done", "EventFramer", "FirstTokenSplice", "Frame", "Passthrough",
+           "StreamObserver", "TurnContext", "TurnEnding", "greedy_single", "parse_data_line",
+           "relay_events", "relay_once", "relay_stream"]
 
 
 @dataclass
 class TurnContext:
-    """One turn once its decode leg is open: what relaying and settling it need."""
+    """One turn once its decode leg is open: what relaying it needs."""
 
     conv: Conversation | None
-    held: HeldConversation | None  # the store's hold on ``conv``, let go when the turn ends
     decode: Backend
     upstream: httpx.Response  # D's answer, not yet read
+    slot: Slot  # the decode leg's, released when the answer has been relayed
     record: p.TurnRecord  # completed as the answer is relayed
     headers: dict[str, str]  # the response's kvtether headers
     handle_key: str | None  # the lease key D publishes the handle under (kvtether connector)
@@ -61,20 +57,40 @@ class TurnContext:
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     answer: AnswerReader = field(default_factory=AnswerReader)  # how the answer ends
-    # A turn decode computes itself: its new tokens count in the instance's
-    # ``prompt_backlog_tokens`` until the first token.
-    local_prompt_on: Backend | None = None
-    local_prompt_tokens: int = 0
+    # A turn decode computes itself: its new tokens, counted in that instance's prompt
+    # backlog until the first token.
+    local_work: Slot | None = None
 
     def prompt_computed(self) -> None:
         """Decode has computed this turn's prompt (its first token came, or the turn ended)."""
-        if self.local_prompt_on is not None:
-            self.local_prompt_on.prompt_backlog_tokens -= self.local_prompt_tokens
-            self.local_prompt_on = None
+        if self.local_work is not None:
+            self.local_work.prompt_computed()
+
+    def release_slots(self) -> None:
+        self.slot.release()
+        if self.local_work is not None:
+            self.local_work.release()
 
 
-# Records D's handle (or its absence) once the answer is complete.
-Settle = Callable[[TurnContext, "dict[str, Any] | None"], Awaitable[None]]
+class TurnEnding(Protocol):
+    """The turn a relay ends: settled once the answer is complete (its record, D's handle
+    kept or released, the conversation saved), finished however the relay ends."""
+
+    @property
+    def settled(self) -> bool: ...
+
+    async def settle(self, handle: dict[str, Any] | None) -> None:
+        """Settle with the handle a whole answer carried."""
+        ...
+
+    async def settle_streamed(self) -> None:
+        """Settle a streamed answer (whose handle D's connector keeps, if anyone)."""
+        ...
+
+    def finish(self) -> None:
+        """Synchronous and idempotent: runs even when the client went away before (or while)
+        the relay ran, so the conversation is never left held."""
+        ...
 
 
 # Request fields under which decode's first token may differ from prefill's, or under which
@@ -101,7 +117,7 @@ def greedy_single(body: dict[str, Any]) -> bool:
     return not (isinstance(options, dict) and options.get("continuous_usage_stats"))
 
 
-async def relay_once(ctx: TurnContext, settle: Settle, clock: Clock) -> Response:
+async def relay_once(ctx: TurnContext, turn: TurnEnding, clock: Clock) -> Response:
     decode, record = ctx.decode, ctx.record
     try:
         raw = await ctx.upstream.aread()
@@ -110,8 +126,7 @@ async def relay_once(ctx: TurnContext, settle: Settle, clock: Clock) -> Response
         raise RouterHTTPError(502, f"decode instance {decode.name} failed: {failure_kind(exc)}",
                               code="upstream_unavailable") from None
     finally:
-        decode.inflight -= 1
-        ctx.prompt_computed()
+        ctx.release_slots()
         await ctx.upstream.aclose()
     data = json_or_502(raw, decode)
     ctx.answer.body(ctx.api.name, data)
@@ -120,7 +135,7 @@ async def relay_once(ctx: TurnContext, settle: Settle, clock: Clock) -> Response
         ctx.output_ids = list(choice.get("token_ids") or [])
         ctx.prompt_ids = prompt_ids(data)
     _complete(record, ctx, clock)
-    await settle(ctx, data.get("kv_transfer_params"))
+    await turn.settle(data.get("kv_transfer_params"))
     if ctx.api.shows_null_kv_params:
         data["kv_transfer_params"] = None
     else:
@@ -130,177 +145,247 @@ async def relay_once(ctx: TurnContext, settle: Settle, clock: Clock) -> Response
     return JSONResponse(data, headers=ctx.headers)
 
 
-def relay_stream(
-    ctx: TurnContext, settle: Settle, fetch_handle: Callable[[], Awaitable[dict[str, Any] | None]],
-    clock: Clock, metrics: RouterMetrics,
-    release_unsettled: Callable[[], Awaitable[Any]] | None = None,
-) -> Response:
-    """Pass D's SSE stream through; the conversation is saved and let go when it ends.
+# ---------------------------------------------------------------- SSE, without I/O
+@dataclass(frozen=True)
+class Done:
+    """``data: [DONE]``: the end of a chat or completions stream."""
 
-    vLLM does not put the handle in a stream, so it is fetched from D's connector
-    (``fetch_handle``) before ``[DONE]`` goes out. A stream that ends before that (the client
-    went away, D or the network failed) calls ``release_unsettled``: D may have finished the
-    turn and hold its KV under a lease nobody will ask for.
+
+@dataclass(frozen=True)
+class Chunk:
+    """A ``data:`` line holding a JSON object."""
+
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Passthrough:
+    """Any other line, relayed as it came."""
+
+    line: str
+
+    def encode(self) -> bytes:
+        return (self.line + "\n\n").encode()
+
+
+def parse_data_line(line: str) -> Done | Chunk | Passthrough | None:
+    """One line of a chat or completions stream (None: a blank line, nothing to relay)."""
+    if line == "data: [DONE]":
+        return Done()
+    if not line.startswith("data: "):
+        return Passthrough(line) if line else None
+    try:
+        data = json.loads(line[6:])
+    except json.JSONDecodeError:
+        return Passthrough(line)
+    return Chunk(data) if isinstance(data, dict) else Passthrough(line)
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One named SSE event (Responses, Messages): its name and its lines, as D wrote them."""
+
+    name: str
+    lines: tuple[str, ...]
+
+    def encode(self) -> bytes:
+        return ("\n".join(self.lines) + "\n\n").encode()
+
+
+class EventFramer:
+    """Lines in, whole events out: a blank line ends an event."""
+
+    def __init__(self) -> None:
+        self._lines: list[str] = []
+        self._name = ""
+
+    def feed(self, line: str) -> Frame | None:
+        if line:
+            if line.startswith("event:"):
+                self._name = line[6:].strip()
+            self._lines.append(line)
+            return None
+        return self.flush()
+
+    def flush(self) -> Frame | None:
+        """The event under way, if any (the stream ended without its blank line)."""
+        if not self._lines:
+            return None
+        frame = Frame(self._name, tuple(self._lines))
+        self._lines, self._name = [], ""
+        return frame
+
+
+class Splice(enum.Enum):
+    KEEP = "keep"  # relay the chunk
+    DROP = "drop"  # the client has it already (from prefill)
+    MISMATCH = "mismatch"  # decode's first token is not the one the client already has
+
+
+class FirstTokenSplice:
+    """Joins decode's stream to the two chunks sent from prefill's answer: decode's role
+    chunk and its first token are dropped, every chunk takes prefill's chunk id."""
+
+    def __init__(self, first: FirstToken) -> None:
+        self.first = first
+        self._drop_role = self._drop_token = True
+
+    def apply(self, chunk: dict[str, Any]) -> Splice:
+        chunk["id"] = self.first.chunk_id
+        if self._drop_role and _is_role_chunk(chunk):
+            self._drop_role = False
+            return Splice.DROP
+        if self._drop_token and _has_tokens(chunk):
+            self._drop_token = False
+            if not _drop_first_token(chunk, self.first):
+                return Splice.MISMATCH
+            if _empty(chunk):
+                return Splice.DROP
+        return Splice.KEEP
+
+
+class StreamObserver:
+    """What a relayed stream tells about its turn: the token ids and how the answer ends,
+    the first token's timings (the one place TTFT is taken), the record's totals."""
+
+    def __init__(self, ctx: TurnContext, clock: Clock, metrics: RouterMetrics) -> None:
+        self.ctx, self.clock, self.metrics = ctx, clock, metrics
+
+    def prefill_token_sent(self) -> None:
+        """Prefill's first token went to the client: that is the turn's TTFT."""
+        self._ttft(self.clock.now_unix_s())
+        self.metrics.first_token_from_prefill.inc()
+
+    def chunk(self, chunk: dict[str, Any]) -> None:
+        ctx = self.ctx
+        ctx.prompt_ids.extend(prompt_ids(chunk))
+        ctx.answer.chunk(chunk)
+        for c in chunk.get("choices") or []:
+            ctx.output_ids.extend(c.get("token_ids") or [])
+            if c.get("token_ids"):
+                self._decode_token()
+
+    def event(self, frame: Frame) -> None:
+        self.ctx.answer.event(frame.name, list(frame.lines))
+        if frame.name in self.ctx.api.delta_events:
+            self._decode_token()
+
+    def complete(self) -> None:
+        _complete(self.ctx.record, self.ctx, self.clock)
+
+    def _decode_token(self) -> None:
+        record = self.ctx.record
+        if record.timings.decode_first_token_s is not None:
+            return
+        self.ctx.prompt_computed()
+        now = self.clock.now_unix_s()
+        record.timings.decode_first_token_s = now - self.ctx.decode_sent_unix_s
+        self._ttft(now)
+
+    def _ttft(self, now: float) -> None:
+        record = self.ctx.record
+        if record.ttft_s is None:
+            record.ttft_s = now - record.started_unix_s
+            self.metrics.ttft_s.observe(record.ttft_s)
+
+
+# ---------------------------------------------------------------- the relays
+def relay_stream(ctx: TurnContext, turn: TurnEnding, clock: Clock,
+                 metrics: RouterMetrics) -> Response:
+    """Pass D's SSE stream through; the turn is settled before ``[DONE]`` goes out (SDKs
+    close the connection on it, and anything after that would be cancelled with it).
+
+    A stream that ends before that (the client went away, D or the network failed) finishes
+    the turn unsettled (:meth:`TurnEnding.finish`).
     """
-    record, decode, upstream = ctx.record, ctx.decode, ctx.upstream
-    end = _StreamEnd(ctx, release_unsettled)
-    first = ctx.first
-    # With ``first``: decode's role chunk and its first token were already sent (prefill's).
-    drop_role = drop_token = first is not None
+    observer = StreamObserver(ctx, clock, metrics)
+    splice = FirstTokenSplice(ctx.first) if ctx.first is not None else None
 
     async def relay() -> AsyncIterator[bytes]:
-        nonlocal drop_role, drop_token
         try:
-            if first is not None:
-                for chunk in _first_chunks(first, ctx.wants_token_ids):
+            if ctx.first is not None:
+                for chunk in _first_chunks(ctx.first, ctx.wants_token_ids):
                     yield _event(chunk)
-                record.ttft_s = clock.now_unix_s() - record.started_unix_s
-                metrics.ttft_s.observe(record.ttft_s)
-                metrics.first_token_from_prefill.inc()
-            async for line in _lines_or_error(upstream, decode):
-                if line == "data: [DONE]":
-                    # Settle before [DONE] reaches the client: SDKs close the connection on
-                    # [DONE], and anything after that yield would be cancelled with it.
-                    _complete(record, ctx, clock)
-                    end.settled = True
-                    await settle(ctx, await fetch_handle())
+                observer.prefill_token_sent()
+            async for line in _lines_or_error(ctx.upstream, ctx.decode):
+                item = parse_data_line(line)
+                if isinstance(item, Done):
+                    observer.complete()
+                    await turn.settle_streamed()
                     yield b"data: [DONE]\n\n"
-                    continue
-                if not line.startswith("data: "):
-                    if line:
-                        yield (line + "\n\n").encode()
-                    continue
-                try:
-                    chunk = json.loads(line[6:])
-                except json.JSONDecodeError:
-                    yield (line + "\n\n").encode()
-                    continue
-                ctx.prompt_ids.extend(prompt_ids(chunk))
-                ctx.answer.chunk(chunk)
-                for c in chunk.get("choices") or []:
-                    ctx.output_ids.extend(c.get("token_ids") or [])
-                    if record.timings.decode_first_token_s is None and c.get("token_ids"):
-                        ctx.prompt_computed()
-                        now = clock.now_unix_s()
-                        record.timings.decode_first_token_s = now - ctx.decode_sent_unix_s
-                        if record.ttft_s is None:
-                            record.ttft_s = now - record.started_unix_s
-                            metrics.ttft_s.observe(record.ttft_s)
-                if first is not None:
-                    chunk["id"] = first.chunk_id
-                    if drop_role and _is_role_chunk(chunk):
-                        drop_role = False
-                        continue
-                    if drop_token and _has_tokens(chunk):
-                        drop_token = False
-                        if not _drop_first_token(chunk, first):
-                            metrics.first_token_mismatch.inc()
-                            logger.warning(
-                                "decode %s's first token differs from prefill's (%d, %r), "
-                                "which the client already has; ending the stream with an "
-                                "error", decode.name, first.token_id, first.text)
-                            yield _event(p.error_body(
-                                "decode's first token differed from prefill's, which was "
-                                "already sent; retry the request", "upstream_error",
-                                code="upstream_error"))
-                            return
-                        if _empty(chunk):
-                            continue
-                if not ctx.wants_token_ids:
-                    _strip_token_ids(chunk)
-                yield _event(chunk)
+                elif isinstance(item, Passthrough):
+                    yield item.encode()
+                elif isinstance(item, Chunk):
+                    observer.chunk(item.data)
+                    verdict = splice.apply(item.data) if splice is not None else Splice.KEEP
+                    if verdict is Splice.MISMATCH:
+                        yield _mismatch(ctx, metrics)
+                        return
+                    if verdict is Splice.KEEP:
+                        if not ctx.wants_token_ids:
+                            _strip_token_ids(item.data)
+                        yield _event(item.data)
         finally:
-            end()
-            await upstream.aclose()
+            turn.finish()
+            await ctx.upstream.aclose()
 
-    return _stream_response(relay(), end, ctx.headers)
+    return _stream_response(relay(), turn, ctx.headers)
 
 
-def relay_events(
-    ctx: TurnContext, settle: Settle, fetch_handle: Callable[[], Awaitable[dict[str, Any] | None]],
-    clock: Clock, metrics: RouterMetrics,
-    release_unsettled: Callable[[], Awaitable[Any]] | None = None,
-) -> Response:
+def relay_events(ctx: TurnContext, turn: TurnEnding, clock: Clock,
+                 metrics: RouterMetrics) -> Response:
     """Pass through a stream of named SSE events (Responses, Messages) frame by frame, as D
     wrote them; the turn is settled before the API's last event (``response.completed``,
     ``message_stop``) goes out, since SDKs stop reading there. Otherwise as
     :func:`relay_stream`."""
-    record, decode, upstream, api = ctx.record, ctx.decode, ctx.upstream, ctx.api
-    end = _StreamEnd(ctx, release_unsettled)
+    observer = StreamObserver(ctx, clock, metrics)
+    framer = EventFramer()
+    sequence = 0  # the Responses events' sequence_number, for an error event
 
     async def relay() -> AsyncIterator[bytes]:
-        frame: list[str] = []
-        name = ""
-        sequence = 0  # the Responses events' sequence_number, for an error event
+        nonlocal sequence
         try:
-            async for line in _lines_or_error(upstream, decode, api, sequence_of=lambda: sequence):
-                if line:
-                    if line.startswith("event:"):
-                        name = line[6:].strip()
-                    frame.append(line)
+            async for line in _lines_or_error(ctx.upstream, ctx.decode, ctx.api,
+                                              sequence_of=lambda: sequence):
+                frame = framer.feed(line)
+                if frame is None:
                     continue
-                if not frame:
-                    continue
-                ctx.answer.event(name, frame)
-                if name in api.delta_events and record.timings.decode_first_token_s is None:
-                    ctx.prompt_computed()
-                    now = clock.now_unix_s()
-                    record.timings.decode_first_token_s = now - ctx.decode_sent_unix_s
-                    record.ttft_s = now - record.started_unix_s
-                    metrics.ttft_s.observe(record.ttft_s)
-                if name in api.terminal_events and not end.settled:
-                    _complete(record, ctx, clock)
-                    end.settled = True
-                    await settle(ctx, await fetch_handle())
+                observer.event(frame)
+                if frame.name in ctx.api.terminal_events and not turn.settled:
+                    observer.complete()
+                    await turn.settle_streamed()
                 sequence += 1
-                yield ("\n".join(frame) + "\n\n").encode()
-                frame, name = [], ""
-            if frame:
-                yield ("\n".join(frame) + "\n\n").encode()
+                yield frame.encode()
+            if (frame := framer.flush()) is not None:
+                yield frame.encode()
         finally:
-            end()
-            await upstream.aclose()
+            turn.finish()
+            await ctx.upstream.aclose()
 
-    return _stream_response(relay(), end, ctx.headers)
-
-
-class _StreamEnd:
-    """The end of a relayed stream, however it comes: synchronous and idempotent, so it runs
-    even when the client went away before (or while) the generator ran, and the conversation
-    is never left locked. A stream that ended before the turn was settled releases what D may
-    hold for it."""
-
-    def __init__(self, ctx: TurnContext,
-                 release_unsettled: Callable[[], Awaitable[Any]] | None) -> None:
-        self.ctx = ctx
-        self.release_unsettled = release_unsettled
-        self.settled = False
-        self.finished = False
-
-    def __call__(self) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        ctx = self.ctx
-        ctx.decode.inflight -= 1
-        ctx.prompt_computed()
-        if not self.settled and self.release_unsettled is not None:
-            in_background(self.release_unsettled())
-        conv, held, record = ctx.conv, ctx.held, ctx.record
-        if conv is not None and held is not None:
-            if not any(t is record for t in conv.turns):
-                conv.add_turn(record)
-            held.commit_soon()  # saved already, unless the stream ended before settling
+    return _stream_response(relay(), turn, ctx.headers)
 
 
-def _stream_response(body: AsyncIterator[bytes], end: _StreamEnd,
+def _mismatch(ctx: TurnContext, metrics: RouterMetrics) -> bytes:
+    """The error event that ends a stream whose first token from decode differs from the
+    one prefill's answer already gave the client."""
+    assert ctx.first is not None
+    metrics.first_token_mismatch.inc()
+    logger.warning("decode %s's first token differs from prefill's (%d, %r), which the client "
+                   "already has; ending the stream with an error", ctx.decode.name,
+                   ctx.first.token_id, ctx.first.text)
+    return _event(p.error_body("decode's first token differed from prefill's, which was "
+                               "already sent; retry the request", "upstream_error",
+                               code="upstream_error"))
+
+
+def _stream_response(body: AsyncIterator[bytes], turn: TurnEnding,
                      headers: dict[str, str]) -> Response:
     class _Stream(StreamingResponse):
         async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
             try:
                 await super().__call__(scope, receive, send)
             finally:
-                end()
+                turn.finish()
 
     return _Stream(body, media_type="text/event-stream", headers=headers)
 
