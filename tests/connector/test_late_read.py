@@ -18,7 +18,11 @@ pytest.importorskip("vllm")
 
 from cachetools import TTLCache  # noqa: E402
 
-from kvtether.connector.nixl import KVTetherWorker  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (  # noqa: E402
+    NixlPullConnectorWorker,
+)
+
+from kvtether.connector.nixl import HeartbeatRun, KVTetherWorker  # noqa: E402
 
 LEASE_EXTENSION_S = 80  # kv_lease_duration 120 * 2 // 3
 
@@ -41,7 +45,7 @@ def read(expiry: float | None) -> Any:
 def heartbeat(w: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode's worker sends prefill a heartbeat for the waiting turn (upstream's send is
     stubbed: there is no agent to send with)."""
-    monkeypatch.setattr(KVTetherWorker.__mro__[1], "_send_heartbeats", lambda self, meta: None)
+    monkeypatch.setattr(NixlPullConnectorWorker, "_send_heartbeats", lambda self, meta: None)
     meta = SimpleNamespace(heartbeat_by_engine={"engine-p": SimpleNamespace(req_ids={"p-req"})})
     w._send_heartbeats(meta)
 
@@ -60,7 +64,7 @@ def test_heartbeats_sent_while_prefill_held_keep_the_read(monkeypatch: pytest.Mo
     now = time.perf_counter()
     # The turn waited on decode: heartbeats from 20 s ago, while prefill still held the KV
     # (its exported deadline passed 10 s ago), to the latest 2 s ago.
-    w._heartbeats["p-req"] = (now - 20, now - 4, True)
+    w._heartbeats["p-req"] = HeartbeatRun(now - 20, now - 4, True)
     heartbeat(w, monkeypatch)
     assert not w._is_turn2_read_expired(read(now - 10))
 
@@ -78,7 +82,8 @@ def test_a_gap_in_the_heartbeats_breaks_the_credit(monkeypatch: pytest.MonkeyPat
     w = worker()
     heartbeat(w, monkeypatch)
     first, _, _ = w._heartbeats["p-req"]
-    w._heartbeats["p-req"] = (first - LEASE_EXTENSION_S, first - LEASE_EXTENSION_S, True)
+    w._heartbeats["p-req"] = HeartbeatRun(first - LEASE_EXTENSION_S, first - LEASE_EXTENSION_S,
+                                         True)
     heartbeat(w, monkeypatch)  # the one before was an extension ago: prefill may have let go
     assert w._heartbeats["p-req"][2] is False
     assert w._is_turn2_read_expired(read(first - LEASE_EXTENSION_S + 6))

@@ -13,13 +13,14 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvtether.connector import nixl  # noqa: E402
+from kvtether.connector._compat.upstream import UPSTREAM_WORKER_LOGGER  # noqa: E402
 from kvtether.connector.nixl import KVTetherWorker  # noqa: E402
 
 
 def expiry_warning(request_id: str) -> logging.LogRecord:
     """The record upstream's ``_reap_expired_send_leases`` logs."""
     return logging.LogRecord(
-        nixl._UPSTREAM_WORKER_LOGGER, logging.WARNING, __file__, 1,
+        UPSTREAM_WORKER_LOGGER, logging.WARNING, __file__, 1,
         "Releasing expired KV blocks for request %s which were retrieved by %d remote "
         "worker(s) before lease expired.", (request_id, 0), None,
     )
@@ -49,7 +50,7 @@ def test_ended_leases_are_not_warned_about_and_lapsed_ones_are(
 
 
 def test_the_filter_sits_on_upstream_s_worker_logger_once() -> None:
-    upstream = logging.getLogger(nixl._UPSTREAM_WORKER_LOGGER)
+    upstream = logging.getLogger(UPSTREAM_WORKER_LOGGER)
     nixl.quiet_ended_leases()
     nixl.quiet_ended_leases()
     assert upstream.filters.count(nixl._ENDED_BY_KVTETHER) == 1

@@ -276,7 +276,7 @@ def test_prefill_reports_its_queue_and_read_time(tmp_path: Path) -> None:
     assert timings["queue_s"] == pytest.approx(0.5, abs=0.1)
     assert timings["read_s"] == pytest.approx(0.05, abs=0.04)
     assert timings["engine_s"] >= timings["queue_s"] + timings["read_s"]
-    assert h.conn._timings == {}  # nothing kept once the request finished
+    assert h.conn.timings == {}  # nothing kept once the request finished
 
 
 def test_decode_publishes_its_timings_with_the_handle_and_a_fresh_prefill_has_no_read(

@@ -37,6 +37,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from pydantic import ValidationError
 
 from kvtether.connector._leases import LeaseTable, Reply
+from kvtether.connector._settings import ConnectorSettings
+from kvtether.errors import ConfigError
 from kvtether.protocol import (
     CONTROL_API_PREFIX,
     ConnectorStatus,
@@ -47,7 +49,7 @@ from kvtether.protocol import (
 )
 from kvtether._validation import first_field_error
 
-__all__ = ["ControlServer", "render_metrics", "MAX_WAIT_S"]
+__all__ = ["ControlServer", "render_metrics", "start_control_server", "MAX_WAIT_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +103,36 @@ class ControlServer:
             self._httpd.shutdown()
             self._thread.join(timeout=5)
         self._httpd.server_close()
+
+
+def start_control_server(
+    settings: ConnectorSettings,
+    data_parallel_index: int,
+    table: LeaseTable,
+    status: Callable[[], ConnectorStatus],
+    prefix_cache: Callable[[list[int]], PrefixCacheAnswer | None],
+) -> ControlServer | None:
+    """The engine's control channel, serving; ``None`` when no port is set."""
+    if settings.control_port is None:
+        return None
+    # Like the NIXL side channel: one port per data-parallel rank.
+    port = settings.control_port + data_parallel_index
+    host = settings.control_host
+    secret = settings.control_secret
+    try:
+        server = ControlServer(
+            table, status, host, port,
+            secret=secret.get_secret_value() if secret else None,
+            max_body_bytes=settings.control_max_body_bytes,
+            prefix_cache=prefix_cache,
+        )
+    except OSError as exc:
+        raise ConfigError(
+            f"kvtether control channel cannot listen on {host}:{port} ({exc}); "
+            "set kv_connector_extra_config.kvtether_control_port to a free port"
+        ) from exc
+    server.start()
+    return server
 
 
 class _Server(ThreadingHTTPServer):

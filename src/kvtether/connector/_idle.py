@@ -1,11 +1,11 @@
 """An engine that only holds KV for a remote reader sleeps; this module decides when it wakes.
 
 Plain Python (no vLLM import), used by :mod:`kvtether.connector.scheduler` in the engine-core
-process. Why it exists (measured on 2-core CPU hosts, ``shared/notes/cpu-idle.md``): vLLM
-0.32's engine loop steps every ~1 ms for as long as any request's blocks are held for a remote
-reader (prefill until decode reads; decode for the whole lease), and each step is an RPC that
-makes the worker spin. With kvtether's scheduler the engine instead blocks on its input queue,
-and :class:`EngineWaker` asks for a step only when there is something to do:
+process. Why it exists: vLLM 0.32's engine loop steps every ~1 ms for as long as any request's
+blocks are held for a remote reader (prefill until decode reads; decode for the whole lease),
+and each step is an RPC that makes the worker spin, which on a CPU host takes cores from the
+turns. With kvtether's scheduler the engine instead blocks on its input queue, and
+:class:`EngineWaker` asks for a step only when there is something to do:
 
 * a new request: vLLM's own input queue wakes the engine, nothing to add;
 * a renew / release / eviction from the control channel: :meth:`EngineWaker.request_step`;
@@ -17,7 +17,8 @@ and :class:`EngineWaker` asks for a step only when there is something to do:
   only free memory early; a deadline never depends on them.
 
 A wake-up is a no-op ``WAKEUP`` message in the engine's input queue (the same one vLLM posts at
-shutdown) plus a flag that makes the scheduler report work for one step.
+shutdown) plus a flag that makes the scheduler report work for one step. :class:`HeldDeadlines`
+is what the connector knows of those deadlines.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 
-__all__ = ["EngineWaker", "WAKE_REASONS"]
+__all__ = ["EngineWaker", "HeldDeadlines", "WAKE_REASONS"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,3 +136,40 @@ class EngineWaker:
             except Exception:  # the engine is shutting down; nothing left to wake
                 logger.debug("kvtether waker: wake-up failed", exc_info=True)
                 return
+
+
+class HeldDeadlines:
+    """Deadlines of every request whose blocks wait for a remote reader (both roles), as the
+    worker was sent them: when a sleeping engine must step so the worker frees them.
+
+    A request still held ``past_due_s`` after its deadline (the worker frees it on the first
+    step after its own, slightly later, deadline) is dropped: only the tick retries it.
+    """
+
+    def __init__(
+        self, *, past_due_s: float = 2.0, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        self.past_due_s, self._clock = past_due_s, clock
+        self._deadlines: dict[str, float] = {}
+
+    def update(self, deadlines: Mapping[str, float]) -> None:
+        self._deadlines.update(deadlines)
+
+    def freed(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._deadlines.pop(request_id, None)
+
+    def earliest(self) -> float | None:
+        """The earliest deadline not yet past due; ``None`` if none is held."""
+        now = self._clock()
+        stale = [r for r, d in self._deadlines.items() if now - d > self.past_due_s]
+        for request_id in stale:
+            logger.debug("request %s: held past its deadline; not waking for it again",
+                         request_id)
+            del self._deadlines[request_id]
+        return min(self._deadlines.values(), default=None)
+
+    def just_passed(self) -> bool:
+        """A deadline has passed within ``past_due_s`` (a step lets the worker free it)."""
+        now = self._clock()
+        return any(0 <= now - d <= self.past_due_s for d in self._deadlines.values())

@@ -34,20 +34,17 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvtether.connector._compat import check_vllm_version
-
-check_vllm_version()
-
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
-from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator  # noqa: E402
-from vllm.v1.core.kv_cache_utils import hash_block_tokens  # noqa: E402
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.engine import EngineCoreRequestType  # noqa: E402
-
-from kvtether.connector._idle import EngineWaker  # noqa: E402
-from kvtether.connector.nixl import KVTetherScheduler  # noqa: E402
-from kvtether.protocol import PrefixCacheAnswer  # noqa: E402
+from kvtether.connector._compat.upstream import (
+    AsyncScheduler,
+    EngineCoreRequestType,
+    Scheduler,
+    UnitaryKVCacheCoordinator,
+    get_hash_fn_by_name,
+    hash_block_tokens,
+)
+from kvtether.connector._idle import EngineWaker
+from kvtether.connector.nixl import KVTetherScheduler
+from kvtether.protocol import PrefixCacheAnswer
 
 __all__ = ["IdleSleepScheduler", "TetherScheduler"]
 
@@ -63,8 +60,8 @@ class TetherScheduler(Scheduler):
     def __new__(cls, *args: Any, **kwargs: Any) -> TetherScheduler:
         # vLLM builds AsyncScheduler when async scheduling is on (its default) and resolves a
         # --scheduler-cls as given: a Scheduler subclass would lose the overlap of one step's
-        # scheduling with the step before (measured: one conversation's turn of ~300 new
-        # tokens 25 ms slower). So the class named builds its async twin where vLLM would.
+        # scheduling with the step before, which slows every turn. So the class named builds
+        # its async twin where vLLM would.
         config = kwargs.get("vllm_config", args[0] if args else None)
         if (
             getattr(getattr(config, "scheduler_config", None), "async_scheduling", False)

@@ -2,11 +2,10 @@
 
 Load it with ``--worker-cls kvtether.connector.worker.WatchedCPUWorker`` next to the kvtether
 connector (kvtether's CPU stack profiles do both). Why: the connector alone sees only its part
-of a step (from binding the step's metadata to collecting its transfer results), and a
-prefill worker of a 2P+2D CPU stack once stopped answering the engine for 300 s (vLLM's
-"RPC call to execute_model timed out") while that watch said nothing, so the call that blocked
-was outside it: input preparation, sampling, or the connector calls after the transfer
-results. This worker watches ``execute_model`` and ``sample_tokens`` from entry to return with
+of a step (from binding the step's metadata to collecting its transfer results), and a worker
+can stop answering the engine (vLLM's "RPC call to execute_model timed out") in a call outside
+it: input preparation, sampling, or the connector calls after the transfer results. This
+worker watches ``execute_model`` and ``sample_tokens`` from entry to return with
 the same :class:`~kvtether.connector._stall.StepWatch` (a Python report with every thread's
 stack after ``kvtether_stall_report_s``, or faulthandler's native one when the stuck call holds
 the GIL). Everything else is upstream's ``CPUWorker``.
@@ -20,14 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvtether.connector._compat import check_vllm_version
-
-check_vllm_version()
-
-from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
-
-from kvtether.connector._settings import ConnectorSettings  # noqa: E402
-from kvtether.connector._stall import StepWatch, watch_whole_rpcs  # noqa: E402
+from kvtether.connector._compat.cpu import CPUWorker
+from kvtether.connector._settings import ConnectorSettings
+from kvtether.connector._stall import StepWatch, watch_whole_rpcs
 
 __all__ = ["WatchedCPUWorker"]
 
