@@ -196,7 +196,8 @@ def render_markdown(result: dict[str, Any]) -> str:
                 figures.append("-")
                 continue
             tpot = row.get("tpot_p50_s")
-            figures.append(f"{_fmt(row['ttft_p50_s'])} ({_fmt(None if tpot is None else tpot * 1000, 0)})")
+            tpot_ms = None if tpot is None else tpot * 1000
+            figures.append(f"{_fmt(row['ttft_p50_s'])} ({_fmt(tpot_ms, 0)})")
         v = verdict.get(cell, {})
         word = {True: "kvtether", False: v.get("against", "-"), None: "mixed"}[v.get("wins")]
         lines.append(f"| {cell[0]} | {cell[1]} | " + " | ".join(figures)

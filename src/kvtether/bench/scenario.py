@@ -12,11 +12,11 @@ divides every duration and TTL by one time-compression factor.
 Sources:
 
 * :func:`generate_scenario`: seeded; tool durations and result sizes, output lengths, human
-  think time and user message sizes from :mod:`kvtether.bench.workload` (the distributions in
-  ``shared/notes/agent-workloads.md``), each session's token counts scaled so it ends at
-  75-100% of ``context_tokens``. Rare long tools are rare in a short run: ``long_tools`` puts that many
-  tool calls from the far tail (``long_tool_s``) into the scenario, so it has gaps that outlive a
-  fixed TTL; the number is stored in the file.
+  think time and user message sizes from :mod:`kvtether.bench.workload` (distributions from
+  published agent-loop measurements), each session's token counts scaled so it ends at 75-100%
+  of ``context_tokens``. Rare long tools are rare in a short run: ``long_tools`` puts that many
+  tool calls from the far tail (``long_tool_s``) into the scenario, so it has gaps that outlive
+  a fixed TTL; the number is stored in the file.
 * :func:`load_scenario` also reads the conversation JSON of vLLM's ``benchmarks/multi_turn``
   tools (a list of ``{"id", "messages": [{"role", "content"}]}``): user messages become turns,
   each assistant message's word count becomes the turn's ``max_tokens``.
@@ -142,7 +142,8 @@ def _system_prompt(rng: random.Random, tokens: int) -> str:
     """Instructions plus the tool schemas, as an agent framework renders them."""
     schemas = [
         {"type": "function", "function": {
-            "name": t.name, "description": f"{t.name.replace('_', ' ')}: {vocabulary_text(rng, 12)}",
+            "name": t.name,
+            "description": f"{t.name.replace('_', ' ')}: {vocabulary_text(rng, 12)}",
             "parameters": {"type": "object", "properties": {t.arg_name: {"type": "string"}},
                            "required": [t.arg_name]}}}
         for t in TOOLS
@@ -172,56 +173,30 @@ def generate_scenario(
 
     Shapes come from :func:`kvtether.bench.workload.generate_sessions` (tool mix, durations,
     result sizes, output lengths, person turns and think times); each session's token counts
-    are scaled by one factor so it fits (its shape kept), gaps are capped at ``max_gap_s``, ``long_tools`` tool gaps are drawn
-    from ``long_tool_s`` instead (the tail a short run would otherwise miss), sessions arrive
-    ``arrival_s`` apart on average (exponential) and ``stream_fraction`` of them stream.
+    are scaled by one factor so it fits (its shape kept), gaps are capped at ``max_gap_s``,
+    ``long_tools`` tool gaps are drawn from ``long_tool_s`` instead (the tail a short run would
+    otherwise miss), sessions arrive ``arrival_s`` apart on average (exponential) and
+    ``stream_fraction`` of them stream.
     """
     if sessions < 1 or not (1 <= turns[0] <= turns[1]):
         raise ValueError("need sessions >= 1 and 1 <= turns[0] <= turns[1]")
     if context_tokens <= system_tokens + 64:
         raise ValueError("context_tokens must leave room after the system prompt")
     rng = random.Random(seed)
-    shapes = generate_sessions(sessions, seed=seed, steps=turns)
-
-    def growth(shape: Any) -> float:
-        """Tokens a session adds after the system prompt, its last answer included."""
-        steps = shape.steps
-        return steps[-1].prompt_tokens - steps[0].prompt_tokens + steps[-1].output_tokens
-
     out: list[dict[str, Any]] = []
     scales: list[float] = []
     start = 0.0
     tool_slots: list[tuple[int, int]] = []
-    for i, shape in enumerate(shapes):
-        srng = random.Random(f"{seed}-{i}")
+    for i, shape in enumerate(generate_sessions(sessions, seed=seed, steps=turns)):
         # Each session ends between 75% and 100% of the context: its own shape (which steps
-        # grow it most), one scale. The task message takes 15% of what follows the system prompt.
-        room = (context_tokens - system_tokens - 32) * srng.uniform(0.75, 1.0)
-        first_user = max(8, round(room * 0.15))
-        scale = (room - first_user) / max(growth(shape), 1.0)
+        # grow it most), one scale.
+        session_turns, scale = _scaled_session(
+            shape, random.Random(f"{seed}-{i}"), room_tokens=context_tokens - system_tokens - 32,
+            max_output_tokens=max_output_tokens, max_gap_s=max_gap_s)
         scales.append(scale)
-        scenario_turns: list[dict[str, Any]] = []
-        append = [Message(role="user", content="Task: " + vocabulary_text(srng, first_user))]
-        for k, step in enumerate(shape.steps):
-            max_tokens = max(4, min(max_output_tokens, round(step.output_tokens * scale)))
-            turn: dict[str, Any] = {"append": append, "max_tokens": max_tokens,
-                                    "gap_s": min(step.gap_s, max_gap_s), "gap_kind": step.action}
-            if step.action == "end":
-                turn["gap_s"] = 0.0
-            words = max(4, round(step.appended_tokens * scale))
-            if step.action == "tool":
-                turn["tool"] = step.tool_name
-                tool_slots.append((i, k))
-                args = json.dumps(step.tool_args)
-                append = [Message(role="user",
-                                  content=f"Result of {step.tool_name}({args}):\n"
-                                  + vocabulary_text(srng, words))]
-            elif step.action == "user":
-                turn["gap_kind"] = "human"
-                append = [Message(role="user", content=vocabulary_text(srng, words))]
-            scenario_turns.append(turn)
+        tool_slots += [(i, k) for k, turn in enumerate(session_turns) if "tool" in turn]
         out.append({"id": f"s{i:03d}", "start_s": round(start, 3),
-                    "stream": rng.random() < stream_fraction, "turns": scenario_turns})
+                    "stream": rng.random() < stream_fraction, "turns": session_turns})
         start += rng.expovariate(1.0 / arrival_s) if arrival_s > 0 else 0.0
     # The tail: a few tool calls run long (pytest suites, builds), spread over sessions.
     for i, k in rng.sample(tool_slots, min(long_tools, len(tool_slots))):
@@ -243,3 +218,39 @@ def generate_scenario(
         system_prompt=_system_prompt(random.Random(seed), system_tokens),
         sessions=[ScenarioSession.model_validate(s) for s in out],
     )
+
+
+def _growth(shape: Any) -> float:
+    """Tokens a session adds after the system prompt, its last answer included."""
+    steps = shape.steps
+    return steps[-1].prompt_tokens - steps[0].prompt_tokens + steps[-1].output_tokens
+
+
+def _scaled_session(shape: Any, srng: random.Random, *, room_tokens: int,
+                    max_output_tokens: int, max_gap_s: float
+                    ) -> tuple[list[dict[str, Any]], float]:
+    """One session's turns (as scenario-turn fields) from its generated shape, token counts
+    scaled so it ends between 75% and 100% of ``room_tokens``, text drawn from ``srng``; and
+    the scale."""
+    room = room_tokens * srng.uniform(0.75, 1.0)
+    first_user = max(8, round(room * 0.15))  # the task message: 15% of the room
+    scale = (room - first_user) / max(_growth(shape), 1.0)
+    turns: list[dict[str, Any]] = []
+    append = [Message(role="user", content="Task: " + vocabulary_text(srng, first_user))]
+    for step in shape.steps:
+        max_tokens = max(4, min(max_output_tokens, round(step.output_tokens * scale)))
+        turn: dict[str, Any] = {"append": append, "max_tokens": max_tokens,
+                                "gap_s": min(step.gap_s, max_gap_s), "gap_kind": step.action}
+        if step.action == "end":
+            turn["gap_s"] = 0.0
+        words = max(4, round(step.appended_tokens * scale))
+        if step.action == "tool":
+            turn["tool"] = step.tool_name
+            args = json.dumps(step.tool_args)
+            append = [Message(role="user", content=f"Result of {step.tool_name}({args}):\n"
+                              + vocabulary_text(srng, words))]
+        elif step.action == "user":
+            turn["gap_kind"] = "human"
+            append = [Message(role="user", content=vocabulary_text(srng, words))]
+        turns.append(turn)
+    return turns, scale

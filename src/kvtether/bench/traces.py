@@ -258,63 +258,18 @@ def to_scenario(
     ):
         raise ValueError("need sessions >= 1, 1 <= min_turns <= max_turns, "
                          "0 < min_end_tokens <= max_end_tokens")
-    chosen: list[tuple[TraceConversation, tuple[TraceRequest, ...], float]] = []
-    cut_at_reset = 0
-    for conv in conversations:
-        reset = conv.reset_at()
-        requests = conv.requests[: reset if reset is not None else None][:max_turns]
-        if len(requests) < min_turns:
-            continue
-        cut_at_reset += reset is not None and reset <= max_turns
-        end = requests[-1].input_tokens + requests[-1].output_tokens
-        target = min(max(end, min_end_tokens), max_end_tokens)
-        chosen.append((conv, requests, end / target))
-        if len(chosen) == sessions:
-            break
-    if not chosen:
-        raise ScenarioError(f"no trace conversation has {min_turns} turns before a prefix reset")
-    # One system prompt for all: the median conversation's tools and instructions, scaled, at
-    # most what every session's first prompt holds.
-    system_tokens = min(
-        round(statistics.median((c.tool_tokens + c.system_tokens) / f for c, _, f in chosen)),
-        *(round(r[0].input_tokens / f) - 16 for _, r, f in chosen),
-    )
-    system_tokens = max(system_tokens, 16)
+    chosen, cut_at_reset = _choose(conversations, sessions, min_turns, max_turns,
+                                   min_end_tokens, max_end_tokens)
+    system_tokens = _shared_system_tokens(chosen)
     rng = random.Random(seed)
     out: list[ScenarioSession] = []
     capped_outputs = 0
     start = 0.0
     for i, (conv, requests, factor) in enumerate(chosen):
-        trng = random.Random(f"{seed}-{conv.id}")
-        turns: list[ScenarioTurn] = []
-        previous_max_tokens = 0
-        for k, req in enumerate(requests):
-            max_tokens = max(4, round(req.output_tokens / factor))
-            capped_outputs += max_tokens > max_output_tokens
-            max_tokens = min(max_tokens, max_output_tokens)
-            if k == 0:
-                words = max(8, round(req.input_tokens / factor) - system_tokens)
-                append = [Message(role="user", content="Task: " + vocabulary_text(trng, words))]
-            else:
-                # The prompt grows by what the trace's did; the model's own answer (up to the
-                # previous turn's max_tokens) is part of that growth.
-                grown = round((req.input_tokens - requests[k - 1].input_tokens) / factor)
-                words = max(4, grown - previous_max_tokens)
-                if req.tool_result:
-                    content = f"Result of {_TOOL_NAME}:\n" + vocabulary_text(trng, words)
-                else:
-                    content = vocabulary_text(trng, words)
-                append = [Message(role="user", content=content)]
-            gap_s, tool = 0.0, None
-            gap_kind: GapKind = "end"
-            if k + 1 < len(requests):
-                following = requests[k + 1]
-                gap_s = round(min(following.think_s, max_gap_s), 3)
-                gap_kind = "tool" if following.tool_result else "human"
-                tool = _TOOL_NAME if following.tool_result else None
-            turns.append(ScenarioTurn(append=append, max_tokens=max_tokens, gap_s=gap_s,
-                                      gap_kind=gap_kind, tool=tool))
-            previous_max_tokens = max_tokens
+        turns, capped = _scaled_turns(requests, factor, random.Random(f"{seed}-{conv.id}"),
+                                      system_tokens=system_tokens,
+                                      max_output_tokens=max_output_tokens, max_gap_s=max_gap_s)
+        capped_outputs += capped
         out.append(ScenarioSession(id=f"t{i:03d}-{conv.id}"[:200], start_s=round(start, 3),
                                    stream=stream, turns=turns))
         start += rng.expovariate(1.0 / arrival_s) if arrival_s > 0 else 0.0
@@ -337,8 +292,85 @@ def to_scenario(
         },
     })
     system = ("You are a coding agent replaying a recorded Claude Code session. Tools and "
-              "instructions: " + vocabulary_text(random.Random(f"{seed}-system"), system_tokens - 16))
+              "instructions: "
+              + vocabulary_text(random.Random(f"{seed}-system"), system_tokens - 16))
     return Scenario(name=name, source=recorded, system_prompt=system, sessions=out)
+
+
+# A conversation chosen for a scenario: its requests up to the cut, and the factor its token
+# counts are divided by.
+_Chosen = tuple[TraceConversation, tuple[TraceRequest, ...], float]
+
+
+def _choose(conversations: Sequence[TraceConversation], sessions: int, min_turns: int,
+            max_turns: int, min_end_tokens: int, max_end_tokens: int
+            ) -> tuple[list[_Chosen], int]:
+    """The first ``sessions`` conversations with ``min_turns`` turns before their first prefix
+    reset, each cut there and at ``max_turns`` and given its scale factor; and how many were
+    cut at a reset."""
+    chosen: list[_Chosen] = []
+    cut_at_reset = 0
+    for conv in conversations:
+        reset = conv.reset_at()
+        requests = conv.requests[: reset if reset is not None else None][:max_turns]
+        if len(requests) < min_turns:
+            continue
+        cut_at_reset += reset is not None and reset <= max_turns
+        end = requests[-1].input_tokens + requests[-1].output_tokens
+        target = min(max(end, min_end_tokens), max_end_tokens)
+        chosen.append((conv, requests, end / target))
+        if len(chosen) == sessions:
+            break
+    if not chosen:
+        raise ScenarioError(f"no trace conversation has {min_turns} turns before a prefix reset")
+    return chosen, cut_at_reset
+
+
+def _shared_system_tokens(chosen: list[_Chosen]) -> int:
+    """One system prompt for all: the median conversation's tools and instructions, scaled, at
+    most what every session's first prompt holds."""
+    system_tokens = min(
+        round(statistics.median((c.tool_tokens + c.system_tokens) / f for c, _, f in chosen)),
+        *(round(r[0].input_tokens / f) - 16 for _, r, f in chosen),
+    )
+    return max(system_tokens, 16)
+
+
+def _scaled_turns(requests: Sequence[TraceRequest], factor: float, trng: random.Random, *,
+                  system_tokens: int, max_output_tokens: int, max_gap_s: float
+                  ) -> tuple[list[ScenarioTurn], int]:
+    """One conversation's turns, token counts divided by ``factor``, text drawn from
+    ``trng``; and how many outputs ``max_output_tokens`` capped."""
+    turns: list[ScenarioTurn] = []
+    capped = 0
+    previous_max_tokens = 0
+    for k, req in enumerate(requests):
+        max_tokens = max(4, round(req.output_tokens / factor))
+        capped += max_tokens > max_output_tokens
+        max_tokens = min(max_tokens, max_output_tokens)
+        if k == 0:
+            words = max(8, round(req.input_tokens / factor) - system_tokens)
+            content = "Task: " + vocabulary_text(trng, words)
+        else:
+            # The prompt grows by what the trace's did; the model's own answer (up to the
+            # previous turn's max_tokens) is part of that growth.
+            grown = round((req.input_tokens - requests[k - 1].input_tokens) / factor)
+            words = max(4, grown - previous_max_tokens)
+            content = vocabulary_text(trng, words)
+            if req.tool_result:
+                content = f"Result of {_TOOL_NAME}:\n" + content
+        gap_s, tool = 0.0, None
+        gap_kind: GapKind = "end"
+        if k + 1 < len(requests):
+            following = requests[k + 1]
+            gap_s = round(min(following.think_s, max_gap_s), 3)
+            gap_kind = "tool" if following.tool_result else "human"
+            tool = _TOOL_NAME if following.tool_result else None
+        turns.append(ScenarioTurn(append=[Message(role="user", content=content)],
+                                  max_tokens=max_tokens, gap_s=gap_s, gap_kind=gap_kind,
+                                  tool=tool))
+        previous_max_tokens = max_tokens
+    return turns, capped
 
 
 def load_trace_scenario(path: Path, data: Any = None, *, max_output_tokens: int = 128

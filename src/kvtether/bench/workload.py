@@ -1,10 +1,10 @@
 """Synthetic agent sessions shaped by published agent-loop measurements.
 
-Shapes (see shared/notes/agent-workloads.md): tool-call durations pooled over all tools p50
-0.3 s, p90 13.6 s, p99 3.6 min (TraceLab); per-step prefix growth p50 ~700-950 tokens, p90
-3-8K; 12-60 model calls per session; LLM step generation p50 4.9 s, p90 20.2 s; human think
-time p50 1.4 min, p90 20.6 min. Each tool has its own duration and result-size profile, and
-``bash`` runs commands whose first word predicts their duration, as in real coding agents.
+Shapes: tool-call durations pooled over all tools p50 0.3 s, p90 13.6 s, p99 3.6 min
+(TraceLab); per-step prefix growth p50 ~700-950 tokens, p90 3-8K; 12-60 model calls per
+session; LLM step generation p50 4.9 s, p90 20.2 s; human think time p50 1.4 min, p90 20.6
+min. Each tool has its own duration and result-size profile, and ``bash`` runs commands whose
+first word predicts their duration, as in real coding agents.
 
 Everything is drawn from ``random.Random(seed)``: the same arguments give the same sessions on
 any machine. ``time_scale`` and ``token_scale`` shrink sessions for fast tests.
