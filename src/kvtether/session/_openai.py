@@ -114,8 +114,9 @@ def _response(mod: ModuleType, response: Any, stream: Any) -> Any:
 
 
 @functools.cache
-def _transports(mod: ModuleType) -> tuple[type, type]:
-    """Transport classes for ``httpx`` or ``httpx2`` (same API, distinct base classes)."""
+def _streams(mod: ModuleType) -> tuple[type, type]:
+    """Response body streams for ``httpx`` or ``httpx2`` that feed each chunk to the request's
+    exchange on its way to the SDK, and end the exchange when the body ends or is closed."""
 
     class SyncStream(mod.SyncByteStream):  # type: ignore[name-defined,misc]
         def __init__(self, response: Any, ex: Exchange) -> None:
@@ -170,6 +171,14 @@ def _transports(mod: ModuleType) -> tuple[type, type]:
                 await self._response.aclose()
             finally:
                 self._ex.end(completed=False)
+
+    return SyncStream, AsyncStream
+
+
+@functools.cache
+def _transports(mod: ModuleType) -> tuple[type, type]:
+    """Transport classes for ``httpx`` or ``httpx2`` (same API, distinct base classes)."""
+    SyncStream, AsyncStream = _streams(mod)
 
     class SyncTransport(mod.BaseTransport):  # type: ignore[name-defined,misc]
         def __init__(self, pick: PickState, inner: Any, owner: object) -> None:
