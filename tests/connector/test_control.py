@@ -15,13 +15,23 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvtether.connector._control import ControlServer, render_metrics
-from kvtether.connector._leases import LeaseTable
+from kvtether.connector._control import ControlServer, lease_reply, render_metrics
+from kvtether.connector._leases import (
+    Gone,
+    LeaseTable,
+    NotFound,
+    Published,
+    Released,
+    Releasing,
+    Renewed,
+    TooLateToRenew,
+)
 from kvtether.protocol import (
     ConnectorStatus,
     HandleResponse,
     LeaseInfo,
     LeaseList,
+    LeaseState,
     PrefixCacheAnswer,
 )
 from tests.support.waiting import wait_for
@@ -230,7 +240,8 @@ def test_every_route_needs_the_secret(guarded: tuple[str, FakeEngine]) -> None:
                 assert error["code"] == "invalid_control_secret"
                 assert "KVTETHER_CONTROL_SECRET" in error["message"]
                 assert r.headers["connection"] == "close"
-    assert engine.table.lease("k").status == 200  # untouched: not renewed, not released
+    untouched = engine.table.lease("k")  # not renewed, not released
+    assert isinstance(untouched, LeaseInfo) and untouched.renewals == 0
     assert engine.table.totals().active_leases == 1
     with httpx.Client(base_url=url, timeout=10,
                       headers={"Authorization": f"Bearer {SECRET}"}) as client:
@@ -306,3 +317,45 @@ def test_settings_keep_an_open_channel_on_loopback() -> None:
     assert open_wide.control_secret is not None
     assert open_wide.control_secret.get_secret_value() == "x"
     assert "x" not in repr(open_wide.control_secret)
+
+
+def _info(state: LeaseState = LeaseState.ACTIVE) -> LeaseInfo:
+    return LeaseInfo(key="conv/t1", request_id="r1", state=state, retained_blocks=2,
+                     retained_tokens=64, deadline_unix_s=2e9, remaining_s=30.0,
+                     remote_blocks_expiry_time=1030.0, renewals=0, created_unix_s=2e9 - 30,
+                     ended_unix_s=None)
+
+
+def test_lease_results_map_to_http_status_and_body() -> None:
+    info = _info()
+    assert lease_reply(info).status == 200
+    assert lease_reply(Renewed(info)).body == info.model_dump(mode="json")
+    assert lease_reply(Released(info)).status == 200
+    releasing = lease_reply(Releasing(_info(LeaseState.RELEASING)))
+    assert releasing.status == 202 and releasing.body["state"] == "releasing"
+
+    published = lease_reply(Published("conv/t1", info, {"remote_block_ids": ([1, 2],)}))
+    body = HandleResponse.model_validate(published.body)
+    assert published.status == 200 and body.key == "conv/t1"
+    assert body.kv_transfer_params["remote_block_ids"] == [[1, 2]]  # JSON, as sent
+
+    gone = lease_reply(Gone(LeaseState.EXPIRED, _info(LeaseState.RELEASING)))
+    assert gone.status == 410
+    assert gone.body["error"] == {"message": "lease 'conv/t1' is expired",
+                                  "type": "kvtether_lease_error", "param": None,
+                                  "code": "expired"}
+    assert gone.body["lease"]["state"] == "releasing"
+
+    late = lease_reply(TooLateToRenew(0.25, info))
+    assert late.status == 410 and late.body["error"]["code"] == "expiring"
+    assert "expires in 0.250s" in late.body["error"]["message"]
+    assert late.body["lease"]["key"] == "conv/t1"
+
+
+def test_a_missing_lease_and_a_missing_handle_say_which() -> None:
+    lease = lease_reply(NotFound("k"))
+    handle = lease_reply(NotFound("k"), missing="handle")
+    assert lease.status == handle.status == 404
+    assert lease.body["error"]["message"] == "no lease 'k'"
+    assert handle.body["error"]["message"] == "no handle published under 'k'"
+    assert lease.body["error"]["code"] == "not_found" and "lease" not in lease.body

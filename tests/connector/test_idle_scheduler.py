@@ -18,7 +18,10 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.engine import EngineCoreRequestType  # noqa: E402
 
 from kvtether.connector import scheduler as idle_scheduler  # noqa: E402
+from kvtether.connector._leases import Released, Renewed  # noqa: E402
 from kvtether.connector.scheduler import IdleSleepScheduler  # noqa: E402
+
+from kvtether.protocol import LeaseInfo, LeaseState  # noqa: E402
 
 from .harness import Harness  # noqa: E402
 from .test_scheduler import finish_decode_turn  # noqa: E402
@@ -87,7 +90,7 @@ def test_a_release_wakes_the_engine_and_frees_in_one_step(
     _settle(h)
     free_before = h.free_blocks()
     reply = _woken_op(h, inputs, lambda: h.conn.leases.release("key-1"))
-    assert reply.status == 200 and reply.body["state"] == "released"
+    assert isinstance(reply, Released) and reply.info.state is LeaseState.RELEASED
     assert "d-1" not in h.scheduler.requests and h.free_blocks() > free_before
     assert not h.scheduler.has_requests()  # back to sleep, nothing held
     assert h.conn.next_deadline() is None
@@ -97,7 +100,7 @@ def test_a_renewal_wakes_the_engine_for_one_step(h: Harness, inputs: queue.Queue
     finish_decode_turn(h, "d-1", "key-1")
     _settle(h)
     reply = _woken_op(h, inputs, lambda: h.conn.leases.renew("key-1", 90))
-    assert reply.status == 200
+    assert isinstance(reply, Renewed)
     # The worker's own deadline is later by the slack: the engine loop ends the lease.
     slack = h.conn.leases.worker_slack_s
     assert h.worker.deadlines["d-1"] - time.perf_counter() == pytest.approx(90 + slack, abs=1)
@@ -120,7 +123,8 @@ def test_an_expiring_lease_wakes_the_sleeping_engine_at_its_deadline(
         steps += 1
         time.sleep(0.01)
     assert "d-1" not in h.scheduler.requests
-    assert h.conn.leases.lease("key-1").body["state"] == "expired"
+    info = h.conn.leases.lease("key-1")
+    assert isinstance(info, LeaseInfo) and info.state is LeaseState.EXPIRED
     status = h.conn.status()
     assert status.idle is not None and status.idle.wakeups["deadline"] >= 1
 

@@ -20,9 +20,14 @@ pytest.importorskip("vllm")
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvtether.connector._leases import Reply  # noqa: E402
+from kvtether.connector._leases import (  # noqa: E402
+    Gone,
+    Published,
+    Released,
+    Renewed,
+)
 from kvtether.connector._prefix import annotate_handle  # noqa: E402
-from kvtether.protocol import HandleResponse, LeaseInfo  # noqa: E402
+from kvtether.protocol import LeaseInfo, LeaseState  # noqa: E402
 from tests.support.waiting import wait_for  # noqa: E402
 
 from .harness import Harness  # noqa: E402
@@ -57,10 +62,26 @@ def finish_decode_turn(h: Harness, rid: str, key: str | None, max_tokens: int = 
     return list(request.all_token_ids)
 
 
-def call_during_step(h: Harness, call: Callable[[], Reply]) -> tuple[Reply, Any]:
+def published_handle(h: Harness, key: str) -> Published:
+    handle = h.conn.leases.handle(key, wait_s=0)
+    assert isinstance(handle, Published), handle
+    return handle
+
+
+def lease_info(h: Harness, key: str) -> LeaseInfo:
+    info = h.conn.leases.lease(key)
+    assert isinstance(info, LeaseInfo), info
+    return info
+
+
+def lease_state(h: Harness, key: str) -> LeaseState:
+    return lease_info(h, key).state
+
+
+def call_during_step(h: Harness, call: Callable[[], object]) -> tuple[object, Any]:
     """Run a control-channel call (a renewal, answered at once, or a release, which waits for
     the worker) and step the loop once."""
-    result: list[Reply] = []
+    result: list[object] = []
     thread = threading.Thread(target=lambda: result.append(call()))
     thread.start()
     leases = h.conn.leases
@@ -83,11 +104,10 @@ def test_decode_turn_publishes_handle_with_lease_and_hashes(tmp_path: Path) -> N
     assert params["kvtether_block_hashes"] == expected["kvtether_block_hashes"]
     assert params["remote_blocks_expiry_time"] == pytest.approx(time.perf_counter() + 12.5, abs=2)
 
-    reply = h.conn.leases.handle("key-1", wait_s=0)
-    published = HandleResponse.model_validate(reply.body)
+    published = published_handle(h, "key-1")
     block_ids = [list(group) for group in params["remote_block_ids"]]
-    assert published.kv_transfer_params["remote_block_ids"] == block_ids
-    assert published.lease.retained_tokens == n
+    assert [list(g) for g in published.kv_transfer_params["remote_block_ids"]] == block_ids
+    assert published.info.retained_tokens == n
     meta = h.step().kv_connector_metadata
     # The lease's deadline plus the slack (not the 480 s TTL): the engine loop ends the lease.
     slack = h.conn.leases.worker_slack_s
@@ -100,20 +120,20 @@ def test_renew_reaches_worker_and_release_frees_blocks_in_one_step(tmp_path: Pat
     finish_decode_turn(h, "d-1", "key-1")
     h.step()
     reply, meta = call_during_step(h, lambda: h.conn.leases.renew("key-1", 100))
-    assert reply.status == 200
+    assert isinstance(reply, Renewed)
     slack = h.conn.leases.worker_slack_s
     assert meta.reqs_to_send["d-1"] - meta.scheduler_clock == pytest.approx(100 + slack, abs=0.5)
     assert h.worker.deadlines["d-1"] - time.perf_counter() == pytest.approx(100 + slack, abs=0.5)
-    handle = HandleResponse.model_validate(h.conn.leases.handle("key-1", 0).body)
+    handle = published_handle(h, "key-1")
     assert (handle.kv_transfer_params["remote_blocks_expiry_time"]
             == meta.reqs_to_send["d-1"] - slack)
 
     free_before = h.free_blocks()
     reply, meta = call_during_step(h, lambda: h.conn.leases.release("key-1"))
-    assert reply.status == 200 and LeaseInfo.model_validate(reply.body).state.value == "released"
+    assert isinstance(reply, Released) and reply.info.state is LeaseState.RELEASED
     assert "d-1" not in h.scheduler.requests  # freed by the same engine step
     assert h.free_blocks() > free_before
-    assert h.conn.leases.handle("key-1", 0).status == 410
+    assert isinstance(h.conn.leases.handle("key-1", 0), Gone)
     assert h.conn.status().counters["leases_released"] == 1
 
 
@@ -127,7 +147,7 @@ def test_a_renewal_answered_at_once_outlives_a_step_in_flight_past_the_old_deadl
     finish_decode_turn(h, "d-1", "key-1", kvtether_lease_ttl_s=1.3)
     h.step()
     in_flight = h.scheduler.schedule()  # scheduled before the renewal
-    assert h.conn.leases.renew("key-1", 60).status == 200  # no engine step in between
+    assert isinstance(h.conn.leases.renew("key-1", 60), Renewed)  # no step in between
     time.sleep(1.4)  # the old deadline passes while that step runs
     assert h.worker.step(in_flight.kv_connector_metadata) == set()  # nothing freed
     h.scheduler.update_from_output(in_flight, ModelRunnerOutput(
@@ -138,7 +158,7 @@ def test_a_renewal_answered_at_once_outlives_a_step_in_flight_past_the_old_deadl
                                                                             abs=0.5)
     h.step()
     assert "d-1" in h.scheduler.requests
-    assert h.conn.leases.lease("key-1").body["state"] == "active"
+    assert lease_state(h, "key-1") is LeaseState.ACTIVE
 
 
 def test_short_lease_expires_and_frees(tmp_path: Path) -> None:
@@ -152,7 +172,7 @@ def test_short_lease_expires_and_frees(tmp_path: Path) -> None:
         return False
 
     wait_for(freed, timeout_s=5, interval_s=0.02, message="d-1 freed")
-    assert h.conn.leases.lease("key-1").body["state"] == "expired"
+    assert lease_state(h, "key-1") is LeaseState.EXPIRED
 
 
 def test_prefill_reading_the_handle_consumes_the_lease(tmp_path: Path) -> None:
@@ -161,7 +181,7 @@ def test_prefill_reading_the_handle_consumes_the_lease(tmp_path: Path) -> None:
     assert h.outputs["d-1"]["kvtether_lease_key"] == "d-1"
     h.worker.read_by_prefill.add("d-1")
     h.step()
-    assert h.conn.leases.lease("d-1").body["state"] == "consumed"
+    assert lease_state(h, "d-1") is LeaseState.CONSUMED
 
 
 def test_aborted_turn_is_reported_not_retained(tmp_path: Path) -> None:
@@ -171,8 +191,8 @@ def test_aborted_turn_is_reported_not_retained(tmp_path: Path) -> None:
     h.step(recved={"d-1"})
     h.step()
     h.scheduler.finish_requests(["d-1"], RequestStatus.FINISHED_ABORTED)
-    reply = h.conn.leases.handle("key-1", wait_s=0)
-    assert reply.status == 410 and reply.body["error"]["code"] == "not_retained"
+    handle = h.conn.leases.handle("key-1", wait_s=0)
+    assert isinstance(handle, Gone) and handle.state is LeaseState.NOT_RETAINED
 
 
 def test_plain_request_with_a_key_is_not_retained_forever(tmp_path: Path) -> None:
@@ -181,7 +201,8 @@ def test_plain_request_with_a_key_is_not_retained_forever(tmp_path: Path) -> Non
     for _ in range(4):
         h.step()
     assert "x-1" not in h.scheduler.requests  # upstream would hold it with no worker deadline
-    assert h.conn.leases.handle("key-x", 0).body["error"]["code"] == "not_retained"
+    handle = h.conn.leases.handle("key-x", 0)
+    assert isinstance(handle, Gone) and handle.state is LeaseState.NOT_RETAINED
 
 
 # --- prefill side ---------------------------------------------------------------------------
@@ -284,8 +305,7 @@ def test_decode_publishes_its_timings_with_the_handle_and_a_fresh_prefill_has_no
 ) -> None:
     h = Harness(tmp_path, extra={"kvtether_lease_ttl_s": 30})
     finish_decode_turn(h, "d-1", "key-1")
-    timings = HandleResponse.model_validate(
-        h.conn.leases.handle("key-1", wait_s=0).body).kv_transfer_params["kvtether_timings"]
+    timings = published_handle(h, "key-1").kv_transfer_params["kvtether_timings"]
     assert timings["read_s"] is not None and timings["queue_s"] is not None
     h.add("p-0", list(range(10, 22)), {"do_remote_decode": True})
     for _ in range(3):

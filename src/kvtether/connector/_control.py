@@ -30,18 +30,33 @@ import logging
 import math
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from pydantic import ValidationError
 
-from kvtether.connector._leases import LeaseTable, Reply
+from kvtether.connector._leases import (
+    Gone,
+    HandleResult,
+    LeaseTable,
+    NotFound,
+    Published,
+    Released,
+    ReleaseResult,
+    Releasing,
+    Renewed,
+    RenewResult,
+    TooLateToRenew,
+)
 from kvtether.connector._settings import ConnectorSettings
 from kvtether.errors import ConfigError
 from kvtether.protocol import (
     CONTROL_API_PREFIX,
     ConnectorStatus,
+    HandleResponse,
+    LeaseInfo,
     LeaseRenewRequest,
     PrefixCacheAnswer,
     PrefixCacheQuery,
@@ -49,7 +64,9 @@ from kvtether.protocol import (
 )
 from kvtether._validation import first_field_error
 
-__all__ = ["ControlServer", "render_metrics", "start_control_server", "MAX_WAIT_S"]
+__all__ = [
+    "ControlServer", "MAX_WAIT_S", "Reply", "lease_reply", "render_metrics", "start_control_server",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +77,46 @@ _MAX_BODY_BYTES = 2 * 1024 * 1024
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found",
                 405: "invalid_request_error", 411: "invalid_request_error",
                 413: "invalid_request_error", 414: "invalid_request_error"}
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An HTTP answer: status code and JSON body."""
+
+    status: int
+    body: dict[str, Any]
+
+
+def lease_reply(
+    result: LeaseInfo | RenewResult | ReleaseResult | HandleResult, *, missing: str = "lease"
+) -> Reply:
+    """The HTTP answer to a lease table's result (``missing``: what a 404 says is absent)."""
+    match result:
+        case LeaseInfo():
+            return Reply(200, result.model_dump(mode="json"))
+        case Renewed(info) | Released(info):
+            return Reply(200, info.model_dump(mode="json"))
+        case Releasing(info):
+            return Reply(202, info.model_dump(mode="json"))
+        case Published(key, info, params):
+            body = HandleResponse(key=key, lease=info, kv_transfer_params=params)
+            return Reply(200, body.model_dump(mode="json"))
+        case Gone(state, info):
+            return _lease_error(410, f"lease {info.key!r} is {state.value}", state.value, info)
+        case TooLateToRenew(remaining_s, info):
+            return _lease_error(410, f"lease {info.key!r} expires in {remaining_s:.3f}s, too "
+                                "late to renew", "expiring", info)
+        case NotFound(key):
+            what = "handle published under" if missing == "handle" else "lease"
+            return _lease_error(404, f"no {what} {key!r}", "not_found")
+    raise TypeError(f"not a lease table result: {result!r}")
+
+
+def _lease_error(status: int, message: str, code: str, info: LeaseInfo | None = None) -> Reply:
+    body = error_body(message, "kvtether_lease_error", code=code)
+    if info is not None:
+        body["lease"] = info.model_dump(mode="json")
+    return Reply(status, body)
 
 
 class ControlServer:
@@ -235,14 +292,16 @@ class _Handler(BaseHTTPRequestHandler):
             case "GET", ["leases"]:
                 return self._json(Reply(200, table.leases().model_dump(mode="json")))
             case "GET", ["leases", key]:
-                return self._json(table.lease(key))
+                return self._json(lease_reply(table.lease(key)))
             case "DELETE", ["leases", key]:
-                return self._json(table.release(key, _wait_s(url.query, default=None)))
+                wait_s = _wait_s(url.query, default=None)
+                return self._json(lease_reply(table.release(key, wait_s)))
             case "POST", ["leases", key, "renew"]:
                 body = self._body(LeaseRenewRequest)
-                return self._json(table.renew(key, body.ttl_s))
+                return self._json(lease_reply(table.renew(key, body.ttl_s)))
             case "GET", ["handles", key]:
-                return self._json(table.handle(key, _wait_s(url.query)))
+                result = table.handle(key, _wait_s(url.query))
+                return self._json(lease_reply(result, missing="handle"))
             case "POST", ["prefix-cache"]:
                 query = self._body(PrefixCacheQuery)
                 answer = self.server.prefix_cache(query.token_ids)

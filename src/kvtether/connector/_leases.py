@@ -16,6 +16,10 @@ deadline reaches the worker at the next step, long before the worker's own, late
 could free the blocks under it, even with a step or two in flight (async scheduling). A release
 only ever ends a lease early, so it is safe whenever it arrives.
 
+Answers are domain results (:class:`Renewed`, :class:`Released`, :class:`Releasing`,
+:class:`Gone`, :class:`TooLateToRenew`, :class:`NotFound`, :class:`Published`); only the
+control channel (:mod:`._control`) turns them into HTTP status codes and bodies.
+
 All state sits behind one ``threading.Condition``; every method holds it only briefly. Deadlines
 are in the engine-core process's ``time.perf_counter()`` domain, the same clock vLLM stamps
 ``remote_blocks_expiry_time`` with and echoes in its NIXL handshake.
@@ -32,16 +36,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtether.protocol import (
-    HandleResponse,
     LeaseInfo,
     LeaseList,
     LeaseState,
     LeaseTotals,
     PullOutcome,
-    error_body,
 )
 
-__all__ = ["LeaseTable", "Opened", "Reply", "COUNTER_NAMES"]
+__all__ = [
+    "COUNTER_NAMES", "Gone", "HandleResult", "LeaseTable", "NotFound", "Opened", "Published",
+    "ReleaseResult", "Released", "Releasing", "RenewResult", "Renewed", "TooLateToRenew",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +74,61 @@ _LIVE = (LeaseState.ACTIVE, LeaseState.RELEASING)
 
 
 @dataclass(frozen=True)
-class Reply:
-    """An HTTP answer: status code and JSON body."""
+class Renewed:
+    """The lease now ends no earlier than asked."""
 
-    status: int
-    body: dict[str, Any]
+    info: LeaseInfo
+
+
+@dataclass(frozen=True)
+class Released:
+    """The lease has ended (freed by this release, or ended before it)."""
+
+    info: LeaseInfo
+
+
+@dataclass(frozen=True)
+class Releasing:
+    """The lease is released; the worker frees its blocks within a step or two."""
+
+    info: LeaseInfo
+
+
+@dataclass(frozen=True)
+class Gone:
+    """The lease ended (or is ending) as ``state``: no handle, no renewal."""
+
+    state: LeaseState
+    info: LeaseInfo
+
+
+@dataclass(frozen=True)
+class TooLateToRenew:
+    """The lease ends within ``renew_guard_s``: a renewal might reach the worker too late."""
+
+    remaining_s: float
+    info: LeaseInfo
+
+
+@dataclass(frozen=True)
+class NotFound:
+    """No lease (or handle) under ``key``, live or remembered."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class Published:
+    """The handle of an active lease, with the lease's own deadline."""
+
+    key: str
+    info: LeaseInfo
+    kv_transfer_params: dict[str, Any]
+
+
+RenewResult = Renewed | Gone | TooLateToRenew | NotFound
+ReleaseResult = Released | Releasing | NotFound
+HandleResult = Published | Gone | NotFound
 
 
 @dataclass(frozen=True)
@@ -98,13 +153,6 @@ class _Lease:
     end_as: LeaseState | None = None  # final state once a RELEASING lease is freed
     renewals: int = 0
     ended: float | None = None
-
-
-@dataclass(frozen=True)
-class _Op:
-    kind: str  # "renew" | "release"
-    key: str
-    ttl_s: float = 0.0
 
 
 class LeaseTable:
@@ -262,20 +310,20 @@ class LeaseTable:
             self._counters[name] += n
 
     # --- control channel ------------------------------------------------------------------
-    def renew(self, key: str, ttl_s: float) -> Reply:
+    def renew(self, key: str, ttl_s: float) -> RenewResult:
         """Extend ``key``'s lease to at least ``ttl_s`` from now, decided at once: the worker
         learns the later deadline at the next step, well before its own deadline passes (see
         the module docstring)."""
         with self._cond:
-            reply = self._apply(_Op("renew", key, ttl_s), self._updates)
-        if reply.status == 200 and self.on_queued is not None:
+            result = self._renew(key, ttl_s)
+        if isinstance(result, Renewed) and self.on_queued is not None:
             self.on_queued()  # a sleeping engine steps to tell its worker
-        return reply
+        return result
 
-    def release(self, key: str, wait_s: float | None = None) -> Reply:
+    def release(self, key: str, wait_s: float | None = None) -> ReleaseResult:
         """Start freeing ``key``'s blocks, then wait up to ``wait_s`` (default
-        ``op_timeout_s``) for the worker to have freed them: 200 with the final state once
-        freed, else 202 (releasing; freed within a step or two).
+        ``op_timeout_s``) for the worker to have freed them: :class:`Released` with the final
+        state once freed, else :class:`Releasing` (freed within a step or two).
 
         Decided at once: a release only ever ends a lease, so nothing can read blocks the
         answer promised (the lease is ``releasing`` from now on: no handle, no renewal), and
@@ -283,9 +331,9 @@ class LeaseTable:
         than a session client waits for its DELETE.
         """
         with self._cond:
-            reply = self._apply(_Op("release", key), self._updates)
-        if reply.status != 202:
-            return reply
+            result = self._release(key)
+        if not isinstance(result, Releasing):
+            return result
         if self.on_queued is not None:
             self.on_queued()  # a sleeping engine steps to tell its worker
         wait = self.op_timeout_s if wait_s is None else min(wait_s, self.op_timeout_s)
@@ -294,28 +342,25 @@ class LeaseTable:
             self._cond.wait_for(lambda: key not in self._live, max(0.0, end - self._clock()))
             lease = self._ended.get(key)
             if lease is not None and lease.state is not LeaseState.RELEASING:
-                return Reply(200, self._info(lease).model_dump(mode="json"))
-        return reply
+                return Released(self._info(lease))
+        return result
 
-    def handle(self, key: str, wait_s: float) -> Reply:
+    def handle(self, key: str, wait_s: float) -> HandleResult:
         """The published handle for ``key``, waiting up to ``wait_s`` for it to appear."""
         with self._cond:
             self._cond.wait_for(lambda: key in self._live or key in self._ended, wait_s)
             lease = self._live.get(key) or self._ended.get(key)
             if lease is None:
-                return _error(404, f"no handle published under {key!r}", "not_found")
+                return NotFound(key)
             if lease.state is not LeaseState.ACTIVE:
                 return self._gone(lease)
             params = dict(lease.handle, remote_blocks_expiry_time=lease.deadline)
-            body = HandleResponse(key=key, lease=self._info(lease), kv_transfer_params=params)
-            return Reply(200, body.model_dump(mode="json"))
+            return Published(key, self._info(lease), params)
 
-    def lease(self, key: str) -> Reply:
+    def lease(self, key: str) -> LeaseInfo | NotFound:
         with self._cond:
             lease = self._live.get(key) or self._ended.get(key)
-            if lease is None:
-                return _error(404, f"no lease {key!r}", "not_found")
-            return Reply(200, self._info(lease).model_dump(mode="json"))
+            return NotFound(key) if lease is None else self._info(lease)
 
     def leases(self) -> LeaseList:
         with self._cond:
@@ -336,40 +381,40 @@ class LeaseTable:
             return dict(self._counters)
 
     # --- internals (call with the lock held) -----------------------------------------------
-    def _apply(self, op: _Op, updates: dict[str, float]) -> Reply:
-        lease = self._live.get(op.key)
+    def _renew(self, key: str, ttl_s: float) -> RenewResult:
+        lease = self._live.get(key)
         if lease is None:
-            ended = self._ended.get(op.key)
-            if ended is None:
-                if op.kind == "release":
-                    # Its turn may still be finishing: free what it retains when it opens.
-                    self._released_early[op.key] = None
-                    while len(self._released_early) > self._history:
-                        self._released_early.popitem(last=False)
-                return _error(404, f"no lease {op.key!r}", "not_found")
-            # DELETE is idempotent; renewing a lease that ended is not possible.
-            if op.kind == "release":
-                return Reply(200, self._info(ended).model_dump(mode="json"))
-            return self._gone(ended)
-        now = self._clock()
-        if op.kind == "release":
-            if lease.state is LeaseState.ACTIVE:
-                self._start_release(lease, now, LeaseState.RELEASED)
-                updates[lease.request_id] = lease.deadline
-            return Reply(202, self._info(lease).model_dump(mode="json"))
+            ended = self._ended.get(key)
+            # Renewing a lease that ended is not possible.
+            return NotFound(key) if ended is None else self._gone(ended)
         if lease.state is not LeaseState.ACTIVE:
             return self._gone(lease)
+        now = self._clock()
         if lease.deadline - now < self.renew_guard_s:
-            info = self._info(lease).model_dump(mode="json")
-            return _error(410, f"lease {op.key!r} expires in {lease.deadline - now:.3f}s, too "
-                          "late to renew", "expiring", lease=info)
+            return TooLateToRenew(lease.deadline - now, self._info(lease))
         # Extend only: a handle already forwarded carries the old deadline, and P trusts it.
         # Ending a lease early is what release is for.
-        lease.deadline = max(lease.deadline, now + min(op.ttl_s, self.max_lease_ttl_s))
+        lease.deadline = max(lease.deadline, now + min(ttl_s, self.max_lease_ttl_s))
         lease.renewals += 1
         self._counters["leases_renewed"] += 1
-        updates[lease.request_id] = self._worker_deadline(lease)
-        return Reply(200, self._info(lease).model_dump(mode="json"))
+        self._updates[lease.request_id] = self._worker_deadline(lease)
+        return Renewed(self._info(lease))
+
+    def _release(self, key: str) -> ReleaseResult:
+        lease = self._live.get(key)
+        if lease is None:
+            ended = self._ended.get(key)
+            if ended is not None:
+                return Released(self._info(ended))  # DELETE is idempotent
+            # Its turn may still be finishing: free what it retains when it opens.
+            self._released_early[key] = None
+            while len(self._released_early) > self._history:
+                self._released_early.popitem(last=False)
+            return NotFound(key)
+        if lease.state is LeaseState.ACTIVE:
+            self._start_release(lease, self._clock(), LeaseState.RELEASED)
+            self._updates[lease.request_id] = lease.deadline
+        return Releasing(self._info(lease))
 
     def _free_key(self, key: str) -> None:
         """A reused key belongs to the newest turn; an older live lease keeps its request id."""
@@ -407,11 +452,10 @@ class LeaseTable:
             retained_tokens=sum(x.retained_tokens for x in live),
         )
 
-    def _gone(self, lease: _Lease) -> Reply:
+    def _gone(self, lease: _Lease) -> Gone:
         state = lease.end_as if lease.state is LeaseState.RELEASING else lease.state
         assert state is not None
-        return _error(410, f"lease {lease.key!r} is {state.value}", state.value,
-                      lease=self._info(lease).model_dump(mode="json"))
+        return Gone(state, self._info(lease))
 
     def _info(self, lease: _Lease) -> LeaseInfo:
         now, wall = self._clock(), self._wall()
@@ -430,8 +474,3 @@ class LeaseTable:
             ended_unix_s=None if lease.ended is None else wall + (lease.ended - now),
         )
 
-
-def _error(status: int, message: str, code: str, **extra: Any) -> Reply:
-    body = error_body(message, "kvtether_lease_error", code=code)
-    body.update(extra)
-    return Reply(status, body)
