@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import pytest
@@ -238,9 +237,7 @@ async def test_error_inside_stream_relayed_and_not_retained(hx: Harness) -> None
     a = hx.conversation("midstream")
     await a.say("one")
     hx.d.fail_next("stream_error")
-    t0 = time.perf_counter()
     t = await a.say("two", stream=True)
-    assert time.perf_counter() - t0 < 3.0  # no long-poll for a handle that will never come
     assert t.lines[-1] == "data: [DONE]"
     assert t.chunks[-1]["error"]["type"] == "InternalServerError"
     t3 = await a.say("three")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from kvtether import protocol as p
-from kvtether.router.relay import greedy_single
 from tests.support.router_harness import make_router
 from tests.support.waiting import await_for
 
@@ -69,23 +68,6 @@ async def test_a_first_token_decode_disagrees_with_ends_the_stream_with_an_error
         await await_for(lambda: h.d.held_leases() == [], message="the failed turn's KV freed")
         # The next turn is served.
         assert (await a.say("three", stream=True, temperature=0)).status == 200
-
-
-@pytest.mark.parametrize("body, relayed", [
-    ({"temperature": 0}, True),
-    ({"temperature": 0.0, "n": 1, "stream_options": {"include_usage": True}}, True),
-    ({}, False),  # vLLM's default sampling (the model's generation config) may not be greedy
-    ({"temperature": 0.7}, False),
-    ({"temperature": 0, "stop": ["\n"]}, False),
-    ({"temperature": 0, "n": 2}, False),
-    ({"temperature": 0, "logprobs": True}, False),
-    ({"temperature": 0, "tools": [{"type": "function", "function": {"name": "f"}}]}, False),
-    ({"temperature": 0, "response_format": {"type": "json_object"}}, False),
-    ({"temperature": 0, "stream_options": {"continuous_usage_stats": True}}, False),
-    ({"temperature": True}, False),
-])
-def test_which_requests_prefill_s_token_may_lead(body: dict, relayed: bool) -> None:
-    assert greedy_single(body) is relayed
 
 
 async def test_a_sampled_turn_streams_decode_s_chunks_as_they_are() -> None:

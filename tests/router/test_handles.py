@@ -70,52 +70,6 @@ async def test_failed_pull_detected_from_cached_tokens(h: Harness) -> None:
     assert (await a.say("three")).outcome == "fired"
 
 
-async def test_evicted_conversation_releases_its_kv() -> None:
-    async with make_router(control=True, max_conversations=1) as h:
-        a, b = h.conversation("old"), h.conversation("new")
-        await a.say("one")
-        old_key = h.d.decode_params[-1][kv_keys.KV_PARAM_HANDLE_KEY]
-        await b.say("one")
-        assert (await h.client.get("/v1/sessions/old")).status_code == 404
-        assert old_key in h.d.releases
-        assert await h.metric("kvtether_active_leases") == 1
-
-
-async def test_budget_evicts_to_stay_under_cap() -> None:
-    async with make_router(control=True) as h:
-        a, b = h.conversation("a"), h.conversation("b")
-        await a.say("one")
-        held = h.d.held_leases()[0].num_tokens
-        # Room for one conversation's KV only.
-        h.app.state.runner.s.max_retained_tokens = held + 20
-        await b.say("one")
-        a_key = h.d.decode_params[0][kv_keys.KV_PARAM_HANDLE_KEY]
-        assert h.d.releases == [a_key]
-        assert [r.lease_key for r in h.d.held_leases()] == [
-            h.d.decode_params[-1][kv_keys.KV_PARAM_HANDLE_KEY]]
-        status = (await h.client.get("/v1/sessions/a")).json()
-        assert status["lease_state"] == "evicted"
-        hb = await h.client.post("/v1/sessions/a/heartbeat", json={})
-        assert hb.status_code == 410 and hb.json()["error"]["code"] == "lease_evicted"
-        t = await a.say("two")
-        assert t.outcome == "miss:evicted"
-        assert await h.metric("kvtether_lease_events_total", 'event="evicted"') >= 1
-        h.assert_kv_correct()
-
-
-async def test_budget_evicts_idle_sessions_first() -> None:
-    async with make_router(control=True) as h:
-        busy, idle, new = h.conversation("busy"), h.conversation("idle"), h.conversation("new")
-        await busy.say("one", kvtether_hints={"phase": "tool_running"})
-        await idle.say("one", kvtether_hints={"phase": "idle"})
-        per_conv = max(r.num_tokens for r in h.d.held_leases())
-        h.app.state.runner.s.max_retained_tokens = 2 * per_conv + 20
-        await new.say("one")
-        states = {cid: (await h.client.get(f"/v1/sessions/{cid}")).json()["lease_state"]
-                  for cid in ("busy", "idle", "new")}
-        assert states == {"busy": "active", "idle": "evicted", "new": "active"}
-
-
 @pytest.mark.parametrize("how", ["budget", "delete"])
 async def test_no_release_of_a_handle_in_flight(how: str) -> None:
     async with make_router(control=True) as h:

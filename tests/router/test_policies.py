@@ -1,7 +1,8 @@
-"""Reuse policies: ``upstream`` (vLLM 0.32's own proxy + NixlConnector) and ``off`` (one-way).
+"""The reuse policies (:mod:`kvtether.router.policies`): ``kvtether``, and the baselines
+``upstream`` (vLLM 0.32's own proxy + NixlConnector) and ``off`` (one-way).
 
-Both are baselines, so they must do what vLLM ships and nothing more; their outcome headers
-are observations with the same definitions as under ``kvtether``.
+The baselines must do what vLLM ships and nothing more; their outcome headers are
+observations with the same definitions as under ``kvtether``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,66 @@ import pytest
 
 from kvtether import protocol as p
 from kvtether.protocol import _kv_params as kv_keys
+from kvtether.router._deps import RouterDeps
+from kvtether.router.backends import BackendPool
+from kvtether.router.conversations import InMemoryConversationStore
+from kvtether.router.leases import LeaseClient
+from kvtether.router.metrics import RouterMetrics
+from kvtether.router.policies import Policy, make_policy
+from kvtether.router.retention import Retention
+from kvtether.router.settings import RouterSettings
+from tests.router.clock import ManualClock
+from tests.router.kv import BS, NOW, conv, retained
 from tests.support.router_harness import make_router
+
+
+def policy(name: str) -> Policy:
+    settings = RouterSettings(prefill_urls=["http://p0"], decode_urls=["http://d0"],
+                              reuse_policy=name, kv_block_size_tokens=BS,
+                              kv_recompute_threshold_tokens=16)
+    deps = RouterDeps(settings, BackendPool(settings), InMemoryConversationStore(),
+                      LeaseClient(), RouterMetrics(), ManualClock(NOW))
+    return make_policy(deps, Retention(deps))
+
+
+# ---------------------------------------------------------------- the plan, per policy
+def test_kvtether_reads_only_what_the_prompt_repeats() -> None:
+    kv = policy("kvtether")
+    assert (kv.affinity, kv.leases, kv.checks_prefix) == (True, True, True)
+    c = conv(retained(100))
+    whole = kv.plan(c, list(range(130)), checked_by_prefill=False, safety_margin_s=6.0)
+    assert whole.cause is None and whole.expected_reused_tokens == 100
+    cut = kv.plan(c, list(range(40)) + [-1] * 80, checked_by_prefill=False, safety_margin_s=6.0)
+    assert cut.cause is p.MissCause.PREFIX_BREAK and cut.handle["remote_num_tokens"] == 32
+    late = conv(retained(100, deadline_in_s=5.0))
+    assert kv.plan(late, list(range(130)), checked_by_prefill=False,
+                   safety_margin_s=6.0).cause is p.MissCause.LEASE_EXPIRED
+
+
+def test_upstream_forwards_the_last_handle_whatever_the_prompt() -> None:
+    up = policy("upstream")
+    assert (up.affinity, up.leases, up.checks_prefix) == (False, False, False)
+    c = conv(retained(100, deadline_in_s=1.0))
+    c.retained.params["kvtether_block_hashes"] = ["h"]
+    pl = up.plan(c, [-1] * 120, checked_by_prefill=False, safety_margin_s=6.0)
+    assert pl.cause is None and pl.expected_reused_tokens == 100
+    assert "kvtether_block_hashes" not in pl.handle  # what vLLM's decode returns, no more
+    assert up.plan(conv(), None, checked_by_prefill=False,
+                   safety_margin_s=6.0).cause is p.MissCause.FIRST_TURN
+
+
+def test_off_reads_nothing_and_says_why() -> None:
+    off = policy("off")
+    assert (off.affinity, off.leases, off.checks_prefix) == (False, False, False)
+    pl = off.plan(conv(retained(100)), list(range(130)), checked_by_prefill=False,
+                  safety_margin_s=6.0)
+    assert (pl.handle, pl.cause) == (None, p.MissCause.NOT_RETAINED)
+    gone = conv(gone_cause=p.MissCause.EVICTED)
+    assert off.plan(gone, None, checked_by_prefill=False,
+                    safety_margin_s=6.0).cause is p.MissCause.EVICTED
+
+
+# ---------------------------------------------------------------- through the router
 
 
 def reusable(t) -> int:  # noqa: ANN001

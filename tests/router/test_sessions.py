@@ -192,21 +192,6 @@ async def test_a_handle_about_to_expire_is_never_forwarded(late: str) -> None:
         h.assert_kv_correct()
 
 
-async def test_reaper_expires_idle_leases() -> None:
-    clock = ManualClock()
-    async with make_router(control=True, lease_ttl_s=30.0, clock=clock) as h:
-        await two_turns(h, "reap")
-        assert len(h.d.held_leases()) == 1
-        await h.app.state.retention.reap_expired()
-        assert h.d.releases == []  # not yet
-        # What the lifespan's reaper task does every second, once the deadline has passed.
-        clock.advance(31.0)
-        await h.app.state.retention.reap_expired()
-        status = (await h.client.get("/v1/sessions/reap")).json()
-        assert status["lease_state"] == "expired"
-        assert len(h.d.releases) == 1  # the router told D to free it
-
-
 async def test_renewed_lease_is_readable_after_original_expiry() -> None:
     async with make_router(control=True, lease_ttl_s=2.0, lease_safety_margin_s=1.6,
                            fake={"read_margin_s": 1.5}) as h:

@@ -1,10 +1,15 @@
-"""/health, /metrics, /v1/models."""
+"""The app (:mod:`kvtether.router.app`): /health, /metrics, /v1/models, and its lifespan."""
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
 import pytest
 
 from kvtether import protocol as p
+from kvtether.router import app as router_app
+from kvtether.router.settings import RouterSettings
 from tests.support.router_harness import Harness, make_router, metric_value
 
 
@@ -94,3 +99,24 @@ async def test_metrics_count_errors(h: Harness) -> None:
         {"role": "user", "content": "x"}]})
     assert await h.metric("kvtether_request_errors_total", 'status="400"') == 1
     assert await h.metric("kvtether_request_errors_total", 'status="500"') == 1
+
+
+async def test_shutdown_lets_the_router_s_tasks_finish_then_cancels_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(router_app, "_DRAIN_S", 0.2)
+    settings = RouterSettings(prefill_urls=["http://p0"], decode_urls=["http://d0"])
+    app = router_app.create_app(
+        settings, transport=httpx.MockTransport(lambda _: httpx.Response(503)))
+    finished, hanging = asyncio.Event(), asyncio.Event()
+
+    async def release() -> None:
+        await asyncio.sleep(0.01)
+        finished.set()
+
+    async with app.router.lifespan_context(app):
+        tasks = app.state.deps.tasks
+        quick = tasks.start(release())
+        stuck = tasks.start(hanging.wait())
+    assert finished.is_set() and quick.done() and not quick.cancelled()
+    assert stuck.cancelled() and len(tasks) == 0

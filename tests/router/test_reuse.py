@@ -1,35 +1,14 @@
-"""The router's pure decisions, without the fake vLLM: what may be read, what is evicted."""
+"""What a turn's prefill leg may read of the conversation's retained KV (:func:`plan_reuse`),
+without the fake vLLM."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvtether import protocol as p
-from kvtether.router.budget import lease_value, pick_evictions
-from kvtether.router.conversations import Conversation, RetainedKV
+from kvtether.router.conversations import Conversation
 from kvtether.router.reuse import ReusePlan, plan_reuse
-
-BS = 16
-NOW = 1_000_000.0
-
-
-def retained(n_tokens: int, *, deadline_in_s: float = 60.0, groups: int = 1,
-             token_ids: list[int] | None = None) -> RetainedKV:
-    n_blocks = -(-n_tokens // BS)
-    return RetainedKV(
-        decode_instance="decode-0",
-        params={"do_remote_decode": True, "remote_num_tokens": n_tokens,
-                "remote_block_ids": [list(range(g * 100, g * 100 + n_blocks))
-                                     for g in range(groups)]},
-        token_ids=list(range(n_tokens)) if token_ids is None else token_ids,
-        retained_tokens=n_tokens,
-        lease_deadline_unix_s=NOW + deadline_in_s,
-        created_unix_s=NOW,
-    )
-
-
-def conv(r: RetainedKV | None = None, **kw) -> Conversation:
-    return Conversation("c", retained=r, last_active_unix_s=NOW, **kw)
+from tests.router.kv import BS, NOW, conv, retained
 
 
 def plan(c: Conversation, prompt: list[int] | None, *, threshold: int = 16,
@@ -91,26 +70,3 @@ def test_a_hybrid_models_handle_is_never_cut() -> None:
     """Several KV cache groups: a prefix of one is not the same tokens in another."""
     pl = plan(conv(retained(100, groups=2)), list(range(40)) + [-1] * 80)
     assert (pl.handle, pl.salvaged_tokens, pl.cause) == (None, 0, p.MissCause.PREFIX_BREAK)
-
-
-# ---------------------------------------------------------------- lease_value / pick_evictions
-def test_lease_value_falls_with_idle_time_phase_and_a_short_next_turn() -> None:
-    fresh = conv(retained(100))
-    assert lease_value(fresh, NOW, 60.0) == pytest.approx(1.0)
-    assert lease_value(fresh, NOW + 60.0, 60.0) == pytest.approx(0.5)
-    assert lease_value(conv(retained(100), phase=p.Phase.IDLE), NOW, 60.0) == pytest.approx(0.3)
-    assert lease_value(conv(retained(100), phase=p.Phase.FINAL), NOW, 60.0) == 0.0
-    short = conv(retained(100), expected_next_prompt_tokens=25)
-    assert lease_value(short, NOW, 60.0) == pytest.approx(0.25)
-    assert lease_value(conv(None), NOW, 60.0) == 0.0
-
-
-def test_evictions_take_the_least_valuable_until_the_newcomer_fits() -> None:
-    idle = conv(retained(100), phase=p.Phase.IDLE)
-    stale = conv(retained(100))
-    stale.last_active_unix_s = NOW - 600
-    busy = conv(retained(100), phase=p.Phase.TOOL_RUNNING)
-    cands = [busy, idle, stale]
-    assert pick_evictions(cands, 300, 50, 400, 60.0, now_unix_s=NOW) == []
-    assert pick_evictions(cands, 300, 150, 400, 60.0, now_unix_s=NOW) == [stale]
-    assert pick_evictions(cands, 300, 250, 400, 60.0, now_unix_s=NOW) == [stale, idle]
