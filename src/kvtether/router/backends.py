@@ -231,10 +231,11 @@ KEEPALIVE_EXPIRY_S = 2.0
 class BackendPool:
     """Prefill instances are picked by load; decode instances by conversation affinity.
 
-    Load: a prefill instance's requests in flight; a decode instance's requests in flight
-    (queue depth), then its retained KV tokens, for a conversation that has no instance yet. Ties go
-    round-robin, each role with its own rotation (one shared counter, advanced by prefill and
-    decode picks in turn, gave every decode tie to the same instance).
+    Load: a prefill instance's prompt backlog, then its requests in flight; a decode
+    instance's requests in flight (queue depth), then its retained KV tokens, for a
+    conversation that has no instance yet. Ties go round-robin, each role with its own
+    rotation (with one counter advanced by both roles in turn, every decode tie could land on
+    the same instance).
     """
 
     def __init__(
@@ -307,9 +308,9 @@ class BackendPool:
             return pref
         return self._least_loaded(
             [b for b in self.decode if b.name not in exclude],
-            # Queue depth first: a burst of new conversations spreads at once (retained KV
-            # first sent a whole burst to the instance that happened to retain less); retained
-            # tokens then spread what arrives while the instances are equally busy.
+            # Queue depth first, so a burst of new conversations spreads at once (by retained
+            # KV alone, a whole burst would go to the instance that happens to retain less);
+            # retained tokens then spread what arrives while the instances are equally busy.
             key=lambda b: (b.inflight, b.retained_tokens),
         )
 

@@ -33,8 +33,8 @@ from kvtether.router.metrics import RouterMetrics
 logger = logging.getLogger(__name__)
 
 __all__ = ["Chunk", "Done", "EventFramer", "FirstTokenSplice", "Frame", "Passthrough",
-           "StreamObserver", "TurnContext", "TurnEnding", "greedy_single", "parse_data_line",
-           "relay_events", "relay_once", "relay_stream"]
+           "Splice", "StreamObserver", "TurnContext", "TurnEnding", "greedy_single",
+           "parse_data_line", "relay_events", "relay_once", "relay_stream"]
 
 
 @dataclass
