@@ -6,38 +6,28 @@ starts its strategies through ``main``'s ``start`` hook.
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvtether.bench import crossover
-from kvtether.bench.strategies import Endpoints, Strategy, StrategyOptions
-from tests.support.fake_vllm import Cluster, FakeVLLM
-from tests.support.replays import COMPRESS, endpoints, serving
+from kvtether.bench.strategies import Strategy, StrategyOptions
+from tests.bench.conftest import FakeStarts
+from tests.support.replays import COMPRESS
 
 
 def test_every_cell_runs_on_each_strategy_started_once(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    started: list[str] = []
-    with serving(lambda port: FakeVLLM(Cluster(), "fake", "127.0.0.1", port)) as fake:
-
-        @contextlib.contextmanager
-        def start(strategy: Strategy, opts: StrategyOptions) -> Iterator[Endpoints]:
-            started.append(strategy.name)
-            yield endpoints(fake)
-
-        out = tmp_path / "out"
-        assert crossover.main([
-            "--strategies", "colocated", "kvtether", "--context-tokens", "700", "1400",
-            "--concurrency", "1", "2", "--turns", "2", "3", "--max-output-tokens", "8",
-            "--compress", str(COMPRESS), "--out", str(out),
-            "--state-dir", str(tmp_path / "state"),
-        ], start=start) == 0
-    assert started == ["colocated", "kvtether"]
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_starts: FakeStarts) -> None:
+    out = tmp_path / "out"
+    assert crossover.main([
+        "--strategies", "colocated", "kvtether", "--context-tokens", "700", "1400",
+        "--concurrency", "1", "2", "--turns", "2", "3", "--max-output-tokens", "8",
+        "--compress", str(COMPRESS), "--out", str(out),
+        "--state-dir", str(tmp_path / "state"),
+    ], start=fake_starts.start) == 0
+    assert fake_starts.started == ["colocated", "kvtether"]
     data = json.loads((out / "crossover.json").read_text())
     cells = [(r["context_tokens"], r["concurrency"], r["strategy"]) for r in data["rows"]]
     assert sorted(cells) == sorted((length, level, name) for length in (700, 1400)
@@ -50,8 +40,8 @@ def test_every_cell_runs_on_each_strategy_started_once(
         (700, 1), (700, 2), (1400, 1), (1400, 2)]
     assert all(v["against"] == "colocated" and v["ttft_ratio"] > 0 for v in data["verdicts"])
     # Each cell talks under its own system prompt: no prefix cache carries from one to the next.
-    systems = {r.body["messages"][0]["content"].split(".", 1)[0] for r in fake.requests
-               if "messages" in r.body}
+    systems = {r.body["messages"][0]["content"].split(".", 1)[0]
+               for r in fake_starts.fake.requests if "messages" in r.body}
     assert len(systems) == 4
     md = (out / "crossover.md").read_text()
     assert md.count("| 700 |") == 2 and md.count("| 1400 |") == 2
