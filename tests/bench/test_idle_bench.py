@@ -82,5 +82,5 @@ def test_a_short_real_run_measures_kvtether(tmp_path: Path) -> None:
     assert s["retained_during_idle"] is True  # the idle window really held KV
     assert s["eligible"] >= 1 and s["fired"] >= 1
     assert s["nixl_reads"] >= 4  # P->D every turn, D->P on reuse
-    assert s["ttft_p50_s"] is not None and s["idle_cores"] >= 0
+    assert s["ttft_p50_s"] is not None
     assert not list((tmp_path / "state").glob("*/stack.json"))  # stack stopped, state removed

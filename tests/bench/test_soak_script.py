@@ -178,7 +178,6 @@ def test_turns_without_answer_fail_at_their_timeout_and_the_run_still_ends(
     errors = [t["error"] for t in data["turns"]]
     assert len(errors) >= 2 and set(errors) == {"no answer within 1 s"}
     assert data["summary"]["failed"] == len(errors)
-    assert data["summary"]["elapsed_s"] < 3 + 1 + 1  # --minutes, the last turn's timeout, slack
 
 
 def test_with_url_it_watches_the_stack_recorded_for_that_url_from_now_on(tmp_path: Path) -> None:

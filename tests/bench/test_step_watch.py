@@ -72,7 +72,7 @@ def test_it_reads_every_thread_of_a_process_from_proc() -> None:
         spinner.join()
     main = seen[os.getpid()]
     assert (main.process, main.pid, main.state) == ("me python", os.getpid(), "R")
-    assert main.run_ns > 0 and main.wait_ns >= 0
+    assert main.run_ns > 0
     assert main.allowed and main.doing == "read"  # it is reading /proc
     assert spinner.native_id in seen and seen[spinner.native_id].state == "S"
     assert step_watch.sample_threads([("gone", 2**22 + 7)]) == {}  # no such process

@@ -87,12 +87,11 @@ def test_a_real_beater_heartbeats_while_the_tool_runs_and_stops_when_it_ends(
     start, end = observed("PreToolUse", FAILED), observed("PostToolUseFailure", FAILED)
 
     def run_hook(event: dict[str, Any]) -> None:
-        t0 = time.monotonic()
+        # It returns while the beater runs on (one that waited for the tool would time out).
         done = subprocess.run([sys.executable, "-m", "kvtether.harness", "claude-code"],
                               input=json.dumps(event), capture_output=True, text=True,
                               timeout=60)
         assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
-        assert time.monotonic() - t0 < 10  # returns at once, the beater runs on
 
     def beats() -> list[Any]:
         return router.requests_to("/heartbeat")

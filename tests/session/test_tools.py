@@ -162,8 +162,7 @@ def test_a_slow_router_does_not_hold_up_the_tool(
     router.heartbeat_delay_s = 5  # each heartbeat hangs until the 3 s timeout
     with s.tool_call("grep") as run:
         wait_for(beats_at_least(router, 1))
-        started = time.monotonic()
-    assert time.monotonic() - started < 2.5  # the tool did not wait for the 3 s timeout
+    assert heartbeat_threads() != []  # the tool ended while its heartbeat still hung
     wait_for(lambda: heartbeat_threads() == [])  # the hung heartbeat ends on its own
     assert run.heartbeats == 0 and run.heartbeat_failures == 1
     router.heartbeat_delay_s = 0

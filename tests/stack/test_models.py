@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -110,12 +109,10 @@ def test_tiny_is_a_vllm_loadable_llama(tiny_pair: tuple[Path, Path]) -> None:
     assert (tiny_pair[0] / "chat_template.jinja").read_text() == CHATML_TOOL_TEMPLATE
 
 
-def test_prepare_again_is_instant(tiny_pair: tuple[Path, Path]) -> None:
+def test_prepare_again_keeps_the_prepared_model(tiny_pair: tuple[Path, Path]) -> None:
     path = tiny_pair[0]
     before = (path / "model.safetensors").stat().st_mtime_ns
-    started = time.monotonic()
     assert prepare_model("tiny", path) == path
-    assert time.monotonic() - started < 1.0
     assert (path / "model.safetensors").stat().st_mtime_ns == before
     assert is_prepared(path)
 
