@@ -15,7 +15,14 @@ from openai import AsyncOpenAI, OpenAI
 
 from kvtether.errors import ConfigError
 from kvtether.protocol import HEADER_REUSABLE_TOKENS, HEADER_REUSE, HEADER_REUSED_TOKENS
-from kvtether.session import AsyncSession, EventKind, Session, SessionSettings, SessionTotals
+from kvtether.session import (
+    AsyncSession,
+    EventKind,
+    Session,
+    SessionPool,
+    SessionSettings,
+    SessionTotals,
+)
 from kvtether.session._heartbeat import Beat, HeartbeatPlan
 from kvtether.session._report import format_report
 from kvtether.session._state import SessionState
@@ -165,6 +172,30 @@ def test_a_session_through_the_router_keeps_its_last_turns(
         summary = session.report().splitlines()[5]
         assert summary.startswith("fired 7/7 eligible turns (100%), 8 in all, the first 5 not "
                                   f"listed · reused {totals.reused_tokens:,} of ")
+
+
+def test_a_pooled_conversation_keeps_its_last_records_and_counts_every_turn(
+    router: FakeRouter, base_client: OpenAI
+) -> None:
+    # A pooled conversation is the one that may never end: an agent's thread, turn after turn.
+    settings = FAST.model_copy(update={"max_turn_records": 3})
+    with SessionPool(router.url, settings=settings) as pool:
+        client = pool.wrap(base_client, lambda: "agent-thread")
+        for i in range(1, 9):
+            call = {**CALL, "id": f"call-{i}"}
+            router.replies.append({"content": None, "tool_calls": [call]})
+            client.chat.completions.create(model="fake", messages=[{"role": "user",
+                                                                     "content": "hi"}])
+            assert pool.begin_tool(f"run-{i}", "grep", tool_call_id=f"call-{i}") is not None
+            pool.end_tool(f"run-{i}")
+        session = pool.get("agent-thread")
+        assert [t.turn for t in session.turns] == [6, 7, 8]
+        assert [r.after_turn for r in session.tool_runs] == [6, 7, 8]
+        assert len(session.events) <= 3
+        totals = session.totals
+        assert (totals.turns, totals.unlisted_turns, totals.fired, totals.eligible) == (8, 5, 7, 7)
+        assert (totals.tool_runs, totals.unlisted_tool_runs) == (8, 5)
+        assert "8 in all, the first 5 not listed" in session.report()
 
 
 async def test_the_async_twin_takes_the_bound_from_the_environment(
