@@ -9,9 +9,15 @@ Why HTTP on a thread of its own, in the engine-core process:
 * vLLM's API server runs in another process and offers no hook to add routes that reach the
   engine core; a second port owned by the connector needs no vLLM change.
 * The engine loop must never block on the network, so requests are served by the standard
-  library's ``ThreadingHTTPServer`` (no new dependency inside vLLM) and hand operations to the
-  loop through :class:`~kvtether.connector._leases.LeaseTable`, which the loop drains once per
-  step. Reads (status, listings, handle long-polls) never wait for the loop.
+  library's HTTP server (no new dependency inside vLLM), a thread per connection, and hand
+  operations to the loop through :class:`~kvtether.connector._leases.LeaseTable`, which the
+  loop drains once per step. Reads (status, listings, handle long-polls) never wait for the
+  loop.
+* The threads are bounded: at most ``max_connections`` connections are served at once (a
+  long poll holds its connection up to ``MAX_WAIT_S``); one more is answered 503
+  ``too_many_connections`` and closed, so clients cannot grow the engine-core process's
+  threads without limit. A connection idle (or stalled mid-request) for ``IDLE_TIMEOUT_S`` is
+  closed, so an idle keep-alive client does not hold a slot forever.
 
 Routes and bodies are the wire contract in :mod:`kvtether.protocol` (``CONTROL_API_PREFIX``).
 
@@ -28,6 +34,7 @@ import hmac
 import json
 import logging
 import math
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,7 +72,8 @@ from kvtether.protocol import (
 from kvtether._validation import first_field_error
 
 __all__ = [
-    "ControlServer", "MAX_WAIT_S", "Reply", "lease_reply", "render_metrics", "start_control_server",
+    "ControlServer", "MAX_CONNECTIONS", "MAX_WAIT_S", "Reply", "lease_reply", "render_metrics",
+    "start_control_server",
 ]
 
 logger = logging.getLogger(__name__)
@@ -73,6 +81,8 @@ logger = logging.getLogger(__name__)
 _M = TypeVar("_M", LeaseRenewRequest, PrefixCacheQuery)
 
 MAX_WAIT_S = 60.0
+MAX_CONNECTIONS = 256
+IDLE_TIMEOUT_S = 120.0  # longer than any long poll: a client waiting for an answer is never cut
 _MAX_BODY_BYTES = 2 * 1024 * 1024
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found",
                 405: "invalid_request_error", 411: "invalid_request_error",
@@ -132,8 +142,9 @@ class ControlServer:
         secret: str | None = None,
         max_body_bytes: int = _MAX_BODY_BYTES,
         prefix_cache: Callable[[list[int]], PrefixCacheAnswer | None] = lambda ids: None,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
-        self._httpd = _Server((host, port), _Handler)
+        self._httpd = _Server((host, port), _Handler, max_connections=max_connections)
         self._httpd.table = table
         self._httpd.status = status
         self._httpd.prefix_cache = prefix_cache
@@ -193,6 +204,8 @@ def start_control_server(
 
 
 class _Server(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` at once; the next is refused."""
+
     daemon_threads = True
     allow_reuse_address = True
     table: LeaseTable
@@ -202,15 +215,63 @@ class _Server(ThreadingHTTPServer):
     secret: bytes | None  # the whole expected Authorization value
     max_body_bytes: int
 
+    def __init__(self, address: tuple[str, int], handler: type[_Handler], *,
+                 max_connections: int) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        super().__init__(address, handler)
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _refuse(self, request: socket.socket) -> None:
+        """503 on the listener's thread, without a handler thread: read what the client sent
+        (closing over unread bytes would reset the connection before it reads the answer),
+        answer, close."""
+        body = json.dumps(error_body(
+            f"the control channel serves at most {self.max_connections} connections at once; "
+            "retry shortly", "server_error", code="too_many_connections")).encode()
+        head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n")
+        try:
+            request.settimeout(0.05)
+            try:
+                request.recv(65536)
+            except OSError:
+                pass  # nothing sent yet
+            request.sendall(head.encode() + body)
+        except OSError:
+            logger.debug("control channel: refusing a connection failed", exc_info=True)
+        finally:
+            self.shutdown_request(request)
+        logger.warning("kvtether control channel: %d connections open; refused one more",
+                       self.max_connections)
+
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
     # TCP_NODELAY on every connection. A reply goes out in two writes, the headers then the
-    # body; with Nagle's algorithm the body waited for the client to acknowledge the headers,
-    # which a keep-alive client delays by up to 40 ms (Linux's delayed ACK): the router's
-    # release of a lapsed lease, awaited before the turn's decode request, took 42-46 ms.
+    # body; with Nagle's algorithm the body would wait for the client to acknowledge the
+    # headers, which a keep-alive client delays by up to 40 ms (delayed ACK), and the router
+    # awaits some of these calls before a turn's decode request.
     disable_nagle_algorithm = True
+    timeout = IDLE_TIMEOUT_S
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self._dispatch("GET")
