@@ -21,7 +21,7 @@ Options = Callable[[], dict[str, Any]]
 
 @functools.cache
 def _ssl_context() -> ssl.SSLContext:
-    # Loading CA certificates takes 10-400 ms; pay it once per process, not per session.
+    # Loading CA certificates parses the whole bundle: pay it once per process, not per session.
     return httpx.create_ssl_context()
 
 

@@ -320,11 +320,11 @@ def cpu_core(plan: InstancePlan, settings: StackSettings) -> int:
     """The core a CPU instance's worker computes on: one each, decode instances first.
 
     vLLM's CPU workers spin their OpenMP threads, so P and D on the same cores starve each other
-    (measured: a 35 s KV read instead of ~10 ms). Decode takes the first cores because it
-    computes most of every conversation (its tokens, and its short turns' prompts); core 0 is
-    also the one a host's device interrupts are least likely to be routed to (on this project's
-    2-core VMs they go to core 1, where one conversation's turns on a colocated vLLM took 10%
-    longer than on core 0). The reference (the correctness reference beside a test stack, or
+    (a KV read waits seconds for a core instead of milliseconds). Decode takes the first cores
+    because it computes most of every conversation (its tokens, and its short turns' prompts);
+    core 0 is also the one a host's device interrupts are least likely to be routed to (they
+    slow the turns on the core they land on; docs/decisions/cpu-core-pinning.md). The
+    reference (the correctness reference beside a test stack, or
     the bench's ``colocated-instance``) shares decode-0's core: it then computes where
     kvtether's decode does, and beside a stack it runs between decode's turns. The bench's other
     colocated baselines name their cores (``InstancePlan.cpu_cores``, :func:`stack_cores`).

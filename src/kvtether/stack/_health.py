@@ -18,7 +18,7 @@ from kvtether.stack._procs import tail
 __all__ = ["Starting", "probe", "wait_healthy"]
 
 POLL_INTERVAL_S = 0.5
-# The first probes come quickly (a router or a warm process answers within ~100 ms), then
+# The first probes come quickly (a router or a warm process answers almost at once), then
 # back off to POLL_INTERVAL_S: vLLM itself takes tens of seconds.
 FIRST_POLL_INTERVAL_S = 0.05
 

@@ -310,10 +310,9 @@ def warn_if_cores_shared(settings: StackSettings, cores: int | None = None) -> b
     """Warn when a CPU stack has more vLLM instances than the host has cores.
 
     Each CPU instance computes on one core (``_commands.cpu_core``); with more instances than
-    cores two workers share one and each computes at most half the time. (The engine steps of
-    16-110 s once seen at 2P+2D on 2 cores were the scheduler's autogroups, one per instance,
-    not the sharing itself: the stack now runs as one autogroup, ``_procs.spawn``,
-    docs/failures.md.) It still starts.
+    cores two workers share one and each computes at most half the time. It still starts. (The
+    stack runs as one scheduler autogroup, ``_procs.spawn``: with one per instance, shared
+    cores made engine steps far slower than half speed; docs/decisions/one-autogroup.md.)
     """
     cores = cores or host_cores()
     instances = settings.prefill + settings.decode

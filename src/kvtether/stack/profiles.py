@@ -27,19 +27,18 @@ _CPU: dict[str, Any] = {
     "kv_cache_space_gib": 1,
     "kv_buffer_device": "cpu",
     "gpu_memory_utilization": None,
-    # An idle stack sleeps (measured in benchmarks/bench_idle.py; docs/cpu-hosts.md): the
-    # engine parks while it only holds KV for a remote reader, NIXL's progress thread waits in
-    # poll() instead of spinning, the worker stops spinning on its RPC queue
-    # soon after a step, and UCX locks with a mutex rather than a spinlock (two cores, four
-    # processes: a spinning waiter steals the core its lock holder needs).
+    # An idle stack sleeps (docs/cpu-hosts.md; `kvtether bench idle` compares it with stock):
+    # the engine parks while it only holds KV for a remote reader, NIXL's progress thread waits
+    # in poll() instead of spinning, the worker stops spinning on its RPC queue soon after a
+    # step, and UCX locks with a mutex rather than a spinlock (two cores, four processes: a
+    # spinning waiter steals the core its lock holder needs).
     "idle_sleep": True,
     "progress_thread_delay_us": 2000,
     "rpc_busy_loop_s": 0.02,
     # oneDNN keeps every matmul primitive it builds (1,024 by default), one per weight shape
-    # and batch size, so a worker's RSS grew for as long as new step sizes came (+150 MiB on
-    # decode in a 30-minute soak, still rising). vLLM keeps its own 32 per weight shape, which
-    # is all a step needs: with oneDNN's cache off, flat RSS and the same step times
-    # (benchmarks/onednn_cache.py; docs/cpu-hosts.md).
+    # and batch size, so a worker's RSS grows for as long as new step sizes come. vLLM keeps
+    # its own 32 per weight shape, which is all a step needs: with oneDNN's cache off, RSS
+    # stays flat at the same step times (benchmarks/onednn_cache.py; docs/cpu-hosts.md).
     "vllm_env": {"UCX_USE_MT_MUTEX": "y", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"},
     # vLLM's own step size (a tiny model's steps cost milliseconds whatever their size).
     "max_num_batched_tokens": None,
@@ -47,16 +46,16 @@ _CPU: dict[str, Any] = {
     # Every turn through prefill: the tests exercise the D->P read (the router's own default).
     "local_prefill_max_tokens": 0,
 }
-# SmolLM2 on one core computes ~150-300 prompt tokens a second: a step of vLLM's default 2,048
-# tokens runs 7-13 s, and a turn that arrives meanwhile waits for all of it even when it has
-# 16 new tokens to compute. Smaller steps, and a cap on how much of one long prompt a step
-# takes, let such a turn in at the next step (docs/cpu-hosts.md, measured there).
+# SmolLM2 on one core computes a few hundred prompt tokens a second: a step of vLLM's default
+# 2,048 tokens runs for seconds, and a turn that arrives meanwhile waits for all of it even
+# when it has 16 new tokens to compute. Smaller steps, and a cap on how much of one long prompt
+# a step takes, let such a turn in at the next step (docs/cpu-hosts.md).
 #
 # A turn that adds at most two such steps of tokens to what its decode instance retains is
 # computed there (conditional disaggregation, `local_prefill_max_tokens`): with many agents at
 # once the one prefill core is the queue every turn waits in, while the decode core has room;
-# a 2-5 s prefill leg (queue, D->P read at a step boundary, compute beside others) becomes a
-# step or two on decode. 512 measured better than 256 at 16 sessions (docs/cpu-hosts.md).
+# a prefill leg of seconds (queue, D->P read at a step boundary, compute beside others)
+# becomes a step or two on decode. Why two steps (512) rather than one: docs/cpu-hosts.md.
 _CPU_SMALL_STEPS: dict[str, Any] = {
     "max_num_batched_tokens": 256,
     "long_prefill_token_threshold": 128,
@@ -71,8 +70,9 @@ PROFILES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
         "cpu-smol": MappingProxyType(
             {**_CPU, **_CPU_SMALL_STEPS, "prepared_model": "smol", "max_model_len_tokens": 2048}
         ),
-        # `kvtether bench`: SmolLM2 at 2-4K contexts, where prefill (~7 s for 2K tokens on one
-        # core) dominates a KV read (tens of ms), so TTFT ratios mean something on a CPU host.
+        # `kvtether bench`: SmolLM2 at 2-4K contexts, where prefill (seconds for 2K tokens on
+        # one core) dominates a KV read (milliseconds), so TTFT ratios mean something on a CPU
+        # host.
         "cpu-bench": MappingProxyType(
             {**_CPU, **_CPU_SMALL_STEPS, "prepared_model": "smol", "max_model_len_tokens": 4096,
              "kv_cache_space_gib": 2}
@@ -96,8 +96,8 @@ PROFILES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 "kv_cache_space_gib": None,
                 "kv_buffer_device": "cuda",
                 "gpu_memory_utilization": 0.85,
-                # vLLM's own behaviour: the GPU host's cores are not the bottleneck, and the
-                # idle settings were measured on CPU hosts only.
+                # vLLM's own behaviour: on a GPU host the cores are not the bottleneck the idle
+                # settings relieve.
                 "idle_sleep": False,
                 "progress_thread_delay_us": None,
                 "rpc_busy_loop_s": None,
