@@ -31,12 +31,13 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvtether.connector.nixl import KVTetherScheduler
 
 EOS = 2
+BS = 4  # the block size tests use unless they say otherwise
 NUM_BLOCKS = 200
 # Just enough of a Llama config for vLLM's ModelConfig; no weights or tokenizer are read.
 _MODEL_CONFIG = {
@@ -134,3 +135,30 @@ class Harness:
 
     def free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def decode_leg(key: str | None, **extra: Any) -> dict[str, Any]:
+    """kv_transfer_params of a decode leg, as the router builds them from P's answer."""
+    params = {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "engine-p",
+        "remote_request_id": "p-req", "remote_block_ids": [[0, 1, 2]], "remote_host": "127.0.0.1",
+        "remote_port": 5600, "tp_size": 1, **extra,
+    }
+    if key is not None:
+        params["kvtether_handle_key"] = key
+    return params
+
+
+def finish_decode_turn(h: Harness, rid: str, key: str | None, max_tokens: int = 3,
+                       **extra: Any) -> list[int]:
+    prompt = list(range(10, 20))
+    request = h.add(rid, prompt, decode_leg(key, **extra), max_tokens=max_tokens)
+    h.step()
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    h.step(recved={rid})
+    for _ in range(max_tokens + 2):
+        if rid in h.outputs:
+            break
+        h.step()
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    return list(request.all_token_ids)

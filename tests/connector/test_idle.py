@@ -1,4 +1,5 @@
-"""EngineWaker: when a sleeping engine is woken (deadlines, requests, housekeeping ticks)."""
+"""When a sleeping engine is woken (deadlines, requests, housekeeping ticks), and which held
+deadlines it wakes for."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 
 import pytest
 
-from kvtether.connector._idle import EngineWaker
+from kvtether.connector._idle import EngineWaker, HeldDeadlines
 
 
 def _waker(tick_s: float = 60.0, slack_s: float = 0.0) -> tuple[EngineWaker, queue.Queue[str]]:
@@ -90,3 +91,32 @@ def test_close_stops_the_thread_and_a_failing_wake_ends_it_quietly() -> None:
 def test_bad_tick_is_refused() -> None:
     with pytest.raises(ValueError, match="tick_s"):
         EngineWaker(lambda: None, tick_s=0)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_held_deadlines_wake_the_engine_until_a_little_past_due() -> None:
+    clock = _Clock()
+    held = HeldDeadlines(past_due_s=2.0, clock=clock)
+    assert held.earliest() is None and not held.just_passed()
+    held.update({"a": 1010.0, "b": 1005.0})
+    assert held.earliest() == 1005.0 and not held.just_passed()
+    clock.now = 1006.0  # b's deadline passed: a step lets the worker free it
+    assert held.just_passed() and held.earliest() == 1005.0
+    clock.now = 1007.5  # not freed in the steps after: only the housekeeping tick retries
+    assert held.earliest() == 1010.0
+    held.freed(["a", "unknown"])
+    assert held.earliest() is None
+
+
+def test_a_renewed_deadline_replaces_the_old_one() -> None:
+    held = HeldDeadlines(clock=_Clock())
+    held.update({"a": 1005.0})
+    held.update({"a": 1090.0})
+    assert held.earliest() == 1090.0

@@ -1,15 +1,12 @@
-"""The kvtether scheduler inside a real vLLM 0.32 ``Scheduler`` (simulated worker, no NIXL).
-
-Decode side: a finished turn is retained under a lease, its handle published; renew, release
-and expiry travel through ``reqs_to_send`` to the worker and come back as freed blocks.
-Prefill side: a decode handle is cut to the prefix the prompt repeats, and P reports it.
-"""
+"""IdleSleepScheduler in a real vLLM 0.32 scheduler (simulated worker): the engine reports no
+work while it only holds KV for a remote reader, and is woken for exactly what needs a step."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,297 +14,155 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.engine import EngineCoreRequestType  # noqa: E402
 
-from kvtether.connector._leases import (  # noqa: E402
-    Gone,
-    Published,
-    Released,
-    Renewed,
-)
-from kvtether.connector._prefix import annotate_handle  # noqa: E402
+from kvtether.connector import scheduler as idle_scheduler  # noqa: E402
+from kvtether.connector._leases import Released, Renewed  # noqa: E402
+from kvtether.connector.scheduler import IdleSleepScheduler  # noqa: E402
 from kvtether.protocol import LeaseInfo, LeaseState  # noqa: E402
-from tests.support.waiting import wait_for  # noqa: E402
 
-from .harness import Harness  # noqa: E402
+from .harness import Harness, finish_decode_turn  # noqa: E402
 
-BS = 4
-
-
-def decode_leg(key: str | None, **extra: Any) -> dict[str, Any]:
-    """kv_transfer_params of a decode leg, as the router builds them from P's answer."""
-    params = {
-        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "engine-p",
-        "remote_request_id": "p-req", "remote_block_ids": [[0, 1, 2]], "remote_host": "127.0.0.1",
-        "remote_port": 5600, "tp_size": 1, **extra,
-    }
-    if key is not None:
-        params["kvtether_handle_key"] = key
-    return params
+WAKEUP = (EngineCoreRequestType.WAKEUP, None)
 
 
-def finish_decode_turn(h: Harness, rid: str, key: str | None, max_tokens: int = 3,
-                       **extra: Any) -> list[int]:
-    prompt = list(range(10, 20))
-    request = h.add(rid, prompt, decode_leg(key, **extra), max_tokens=max_tokens)
-    h.step()
-    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    h.step(recved={rid})
-    for _ in range(max_tokens + 2):
-        if rid in h.outputs:
-            break
+@pytest.fixture
+def inputs(monkeypatch: pytest.MonkeyPatch) -> queue.Queue[Any]:
+    """Stands in for EngineCoreProc.input_queue, which the scheduler finds in a caller frame."""
+    q: queue.Queue[Any] = queue.Queue()
+    monkeypatch.setattr(idle_scheduler, "_engine_input_queue", lambda: q)
+    return q
+
+
+def _harness(tmp: Path, **extra: Any) -> Harness:
+    return Harness(tmp, scheduler_cls=IdleSleepScheduler,
+                   extra={"kvtether_lease_ttl_s": 30, "kvtether_idle_tick_s": 3600, **extra})
+
+
+@pytest.fixture
+def h(tmp_path: Path, inputs: queue.Queue[Any]) -> Iterator[Harness]:
+    harness = _harness(tmp_path)
+    yield harness
+    harness.scheduler.shutdown()  # stops the waker thread
+
+
+def _settle(h: Harness) -> None:
+    """Step until only retained KV is left (the finished turn's bookkeeping step)."""
+    for _ in range(5):
+        if not h.scheduler.has_requests():
+            return
         h.step()
-    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
-    return list(request.all_token_ids)
+    raise AssertionError("the engine never ran out of work")
 
 
-def published_handle(h: Harness, key: str) -> Published:
-    handle = h.conn.leases.handle(key, wait_s=0)
-    assert isinstance(handle, Published), handle
-    return handle
+def _woken_op(h: Harness, inputs: queue.Queue[Any], op: Any) -> Any:
+    """Run a control-channel operation against a sleeping engine: it must post a wake-up and
+    make the scheduler report work; then one engine step answers it."""
+    replies: list[Any] = []
+    caller = threading.Thread(target=lambda: replies.append(op()))
+    caller.start()
+    assert inputs.get(timeout=5) == WAKEUP  # the control channel woke the engine
+    assert h.scheduler.has_requests()
+    h.step()
+    caller.join(timeout=5)
+    assert replies, "the operation was not answered by one engine step"
+    return replies[0]
 
 
-def lease_info(h: Harness, key: str) -> LeaseInfo:
-    info = h.conn.leases.lease(key)
-    assert isinstance(info, LeaseInfo), info
-    return info
-
-
-def lease_state(h: Harness, key: str) -> LeaseState:
-    return lease_info(h, key).state
-
-
-def call_during_step(h: Harness, call: Callable[[], object]) -> tuple[object, Any]:
-    """Run a control-channel call (a renewal, answered at once, or a release, which waits for
-    the worker) and step the loop once."""
-    result: list[object] = []
-    thread = threading.Thread(target=lambda: result.append(call()))
-    thread.start()
-    leases = h.conn.leases
-    wait_for(lambda: leases._updates or not thread.is_alive(), timeout_s=5,
-             interval_s=0.001, message="the call to reach the lease table")
-    out = h.step()
-    thread.join(timeout=5)
-    return result[0], out.kv_connector_metadata
-
-
-def test_decode_turn_publishes_handle_with_lease_and_hashes(tmp_path: Path) -> None:
-    h = Harness(tmp_path, extra={"kvtether_lease_ttl_s": 30})
-    tokens = finish_decode_turn(h, "d-1", "key-1", kvtether_lease_ttl_s=12.5)
-    params = h.outputs["d-1"]  # what a non-streaming response carries
-    assert params["do_remote_decode"] is True and params["kvtether_lease_key"] == "key-1"
-    n = params["remote_num_tokens"]
-    assert n == len(tokens) - 1  # the last sampled token has no KV yet
-    expected: dict[str, Any] = {}
-    annotate_handle(expected, tokens[:n], BS)
-    assert params["kvtether_block_hashes"] == expected["kvtether_block_hashes"]
-    assert params["remote_blocks_expiry_time"] == pytest.approx(time.perf_counter() + 12.5, abs=2)
-
-    published = published_handle(h, "key-1")
-    block_ids = [list(group) for group in params["remote_block_ids"]]
-    assert [list(g) for g in published.kv_transfer_params["remote_block_ids"]] == block_ids
-    assert published.info.retained_tokens == n
-    meta = h.step().kv_connector_metadata
-    # The lease's deadline plus the slack (not the 480 s TTL): the engine loop ends the lease.
-    slack = h.conn.leases.worker_slack_s
-    assert meta.reqs_to_send["d-1"] == params["remote_blocks_expiry_time"] + slack
+def test_retained_kv_alone_lets_the_engine_sleep(h: Harness) -> None:
+    finish_decode_turn(h, "d-1", "key-1")
+    _settle(h)
+    assert "d-1" in h.scheduler.requests  # still held for the next turn's prefill
     assert h.conn.status().totals.active_leases == 1
+    # Upstream's answer for the same state is "step again" (every ~1 ms, for the lease).
+    assert Scheduler.has_requests(h.scheduler)
+    assert not h.scheduler.has_requests()
+    assert h.conn.next_deadline() == pytest.approx(time.perf_counter() + 30, abs=1)
 
 
-def test_renew_reaches_worker_and_release_frees_blocks_in_one_step(tmp_path: Path) -> None:
-    h = Harness(tmp_path, extra={"kvtether_lease_ttl_s": 30})
+def test_a_release_wakes_the_engine_and_frees_in_one_step(
+    h: Harness, inputs: queue.Queue[Any]
+) -> None:
     finish_decode_turn(h, "d-1", "key-1")
-    h.step()
-    reply, meta = call_during_step(h, lambda: h.conn.leases.renew("key-1", 100))
-    assert isinstance(reply, Renewed)
-    slack = h.conn.leases.worker_slack_s
-    assert meta.reqs_to_send["d-1"] - meta.scheduler_clock == pytest.approx(100 + slack, abs=0.5)
-    assert h.worker.deadlines["d-1"] - time.perf_counter() == pytest.approx(100 + slack, abs=0.5)
-    handle = published_handle(h, "key-1")
-    assert (handle.kv_transfer_params["remote_blocks_expiry_time"]
-            == meta.reqs_to_send["d-1"] - slack)
-
+    _settle(h)
     free_before = h.free_blocks()
-    reply, meta = call_during_step(h, lambda: h.conn.leases.release("key-1"))
+    reply = _woken_op(h, inputs, lambda: h.conn.leases.release("key-1"))
     assert isinstance(reply, Released) and reply.info.state is LeaseState.RELEASED
-    assert "d-1" not in h.scheduler.requests  # freed by the same engine step
-    assert h.free_blocks() > free_before
-    assert isinstance(h.conn.leases.handle("key-1", 0), Gone)
-    assert h.conn.status().counters["leases_released"] == 1
+    assert "d-1" not in h.scheduler.requests and h.free_blocks() > free_before
+    assert not h.scheduler.has_requests()  # back to sleep, nothing held
+    assert h.conn.next_deadline() is None
 
 
-def test_a_renewal_answered_at_once_outlives_a_step_in_flight_past_the_old_deadline(
-    tmp_path: Path,
-) -> None:
-    """A renewal is answered before any engine step applies it. A step scheduled before it
-    (async scheduling keeps one in flight) may run after the old deadline: the worker must not
-    free the blocks then. Its deadline is the lease's plus the slack, so it does not."""
-    h = Harness(tmp_path)
-    finish_decode_turn(h, "d-1", "key-1", kvtether_lease_ttl_s=1.3)
-    h.step()
-    in_flight = h.scheduler.schedule()  # scheduled before the renewal
-    assert isinstance(h.conn.leases.renew("key-1", 60), Renewed)  # no step in between
-    time.sleep(1.4)  # the old deadline passes while that step runs
-    assert h.worker.step(in_flight.kv_connector_metadata) == set()  # nothing freed
-    h.scheduler.update_from_output(in_flight, ModelRunnerOutput(
-        req_ids=[], req_id_to_index={}, kv_connector_output=KVConnectorOutput()))
-    meta = h.step().kv_connector_metadata  # the next step carries the renewal
-    slack = h.conn.leases.worker_slack_s
-    assert meta.reqs_to_send["d-1"] - meta.scheduler_clock == pytest.approx(60 - 1.4 + slack,
-                                                                            abs=0.5)
-    h.step()
-    assert "d-1" in h.scheduler.requests
-    assert lease_state(h, "key-1") is LeaseState.ACTIVE
-
-
-def test_short_lease_expires_and_frees(tmp_path: Path) -> None:
-    h = Harness(tmp_path)
-    finish_decode_turn(h, "d-1", "key-1", kvtether_lease_ttl_s=0.3)
-
-    def freed() -> bool:  # else one more engine step
-        if "d-1" not in h.scheduler.requests:
-            return True
-        h.step()
-        return False
-
-    wait_for(freed, timeout_s=5, interval_s=0.02, message="d-1 freed")
-    assert lease_state(h, "key-1") is LeaseState.EXPIRED
-
-
-def test_prefill_reading_the_handle_consumes_the_lease(tmp_path: Path) -> None:
-    h = Harness(tmp_path)
-    finish_decode_turn(h, "d-1", None)  # no key: the lease is keyed by request id
-    assert h.outputs["d-1"]["kvtether_lease_key"] == "d-1"
-    h.worker.read_by_prefill.add("d-1")
-    h.step()
-    assert lease_state(h, "d-1") is LeaseState.CONSUMED
-
-
-def test_aborted_turn_is_reported_not_retained(tmp_path: Path) -> None:
-    h = Harness(tmp_path)
-    h.add("d-1", list(range(10, 20)), decode_leg("key-1"), max_tokens=5)
-    h.step()
-    h.step(recved={"d-1"})
-    h.step()
-    h.scheduler.finish_requests(["d-1"], RequestStatus.FINISHED_ABORTED)
-    handle = h.conn.leases.handle("key-1", wait_s=0)
-    assert isinstance(handle, Gone) and handle.state is LeaseState.NOT_RETAINED
-
-
-def test_plain_request_with_a_key_is_not_retained_forever(tmp_path: Path) -> None:
-    h = Harness(tmp_path)
-    h.add("x-1", list(range(10, 20)), {"kvtether_handle_key": "key-x"}, max_tokens=2)
-    for _ in range(4):
-        h.step()
-    assert "x-1" not in h.scheduler.requests  # upstream would hold it with no worker deadline
-    handle = h.conn.leases.handle("key-x", 0)
-    assert isinstance(handle, Gone) and handle.state is LeaseState.NOT_RETAINED
-
-
-# --- prefill side ---------------------------------------------------------------------------
-SEQ = list(range(100, 122))  # decode's 22 tokens: 5 full blocks + 2
-
-
-def decode_handle() -> dict[str, Any]:
-    handle = {
-        "do_remote_prefill": False, "do_remote_decode": True, "remote_engine_id": "engine-d",
-        "remote_request_id": "d-7", "remote_block_ids": [[50, 51, 52, 53, 54, 55]],
-        "remote_host": "127.0.0.1", "remote_port": 5610, "tp_size": 1, "remote_num_tokens": 22,
-    }
-    annotate_handle(handle, SEQ, BS)
-    return handle
-
-
-def test_rewritten_history_reads_only_the_matching_prefix(tmp_path: Path) -> None:
-    h = Harness(tmp_path)
-    prompt = SEQ.copy()
-    prompt[9] = 7  # inside block 2
-    request = h.add("p-1", prompt + [1, 2, 3], decode_handle())
-    meta = h.step().kv_connector_metadata
-    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    recv = meta.reqs_to_recv["p-1"]
-    assert recv.remote.block_ids == [[50, 51]] and recv.remote.num_tokens == 8
-    assert [len(g) for g in recv.local_block_ids] == [2]
-    h.step(recved={"p-1"})
-    h.step()
-    report = h.outputs["p-1"]
-    assert report["kvtether_pull"] == "pulled" and report["kvtether_reused_tokens"] == 8
-    assert report["kvtether_prefix_match_tokens"] == 8 and report["kvtether_prefix_break"] is True
-    assert report["kvtether_remote_tokens"] == 22
-    assert h.conn.status().counters["prefix_breaks"] == 1
-
-
-def test_extending_prompt_reads_everything(tmp_path: Path) -> None:
-    h = Harness(tmp_path)
-    h.add("p-1", SEQ + [1, 2, 3], decode_handle())
-    recv = h.step().kv_connector_metadata.reqs_to_recv["p-1"]
-    assert recv.remote.block_ids == [[50, 51, 52, 53, 54, 55]] and recv.remote.num_tokens == 22
-    h.step(recved={"p-1"})
-    h.step()
-    assert h.outputs["p-1"]["kvtether_reused_tokens"] == 22
-    assert h.outputs["p-1"]["kvtether_prefix_break"] is False
-
-
-def test_no_matching_block_reads_nothing_but_tells_decode_to_free(tmp_path: Path) -> None:
-    h = Harness(tmp_path)
-    request = h.add("p-1", [9] + SEQ[1:] + [1], decode_handle())
-    meta = h.step().kv_connector_metadata
-    assert request.status != RequestStatus.WAITING_FOR_REMOTE_KVS
-    notify = meta.reqs_to_recv["p-1"]  # notify-only: decode frees its blocks at once
-    assert not any(notify.local_block_ids) and notify.remote.request_id == "d-7"
-    assert h.outputs["p-1"]["kvtether_pull"] == "no_match"
-
-
-def test_failed_read_recomputes_instead_of_waiting_forever(tmp_path: Path) -> None:
-    h = Harness(tmp_path)
-    prompt = SEQ + [1, 2, 3]
-    request = h.add("p-1", prompt, decode_handle())
-    h.step()
-    h.step(failed={"p-1"})  # e.g. declined: the handle's expiry was within 5 s
-    out = h.step()
-    assert out.num_scheduled_tokens.get("p-1") == len(prompt)
-    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
-    assert h.outputs["p-1"]["kvtether_pull"] == "failed"
-    assert h.outputs["p-1"]["kvtether_reused_tokens"] == 0
-
-
-def test_prefill_exports_how_long_it_holds_a_new_turn_s_kv(tmp_path: Path) -> None:
-    # Upstream exports a deadline only with decode-held KV; prefill's lets decode decline a
-    # read that comes after prefill may have freed the blocks (see test_late_read.py).
-    h = Harness(tmp_path, extra={"kv_lease_duration": 120})
-    before = time.perf_counter()
-    h.add("p-0", list(range(10, 22)), {"do_remote_decode": True})
-    for _ in range(3):
-        h.step()
-    expiry = h.outputs["p-0"]["remote_blocks_expiry_time"]
-    assert before + 120 <= expiry <= time.perf_counter() + 120  # prefill's own hold
-
-
-# --- where a leg's time went (EngineTimings in the leg's kv_transfer_params) ---------------
-def test_prefill_reports_its_queue_and_read_time(tmp_path: Path) -> None:
-    h = Harness(tmp_path)
-    request = h.add("p-1", SEQ + [1, 2, 3], decode_handle())
-    request.arrival_time = time.time() - 0.5  # half a second in vLLM's queue
-    h.step()
-    time.sleep(0.05)  # the NIXL read
-    h.step(recved={"p-1"})
-    h.step()
-    timings = h.outputs["p-1"]["kvtether_timings"]
-    assert timings["queue_s"] == pytest.approx(0.5, abs=0.1)
-    assert timings["read_s"] == pytest.approx(0.05, abs=0.04)
-    assert timings["engine_s"] >= timings["queue_s"] + timings["read_s"]
-    assert h.conn.timings == {}  # nothing kept once the request finished
-
-
-def test_decode_publishes_its_timings_with_the_handle_and_a_fresh_prefill_has_no_read(
-    tmp_path: Path,
-) -> None:
-    h = Harness(tmp_path, extra={"kvtether_lease_ttl_s": 30})
+def test_a_renewal_wakes_the_engine_for_one_step(h: Harness, inputs: queue.Queue[Any]) -> None:
     finish_decode_turn(h, "d-1", "key-1")
-    timings = published_handle(h, "key-1").kv_transfer_params["kvtether_timings"]
-    assert timings["read_s"] is not None and timings["queue_s"] is not None
-    h.add("p-0", list(range(10, 22)), {"do_remote_decode": True})
-    for _ in range(3):
+    _settle(h)
+    reply = _woken_op(h, inputs, lambda: h.conn.leases.renew("key-1", 90))
+    assert isinstance(reply, Renewed)
+    # The worker's own deadline is later by the slack: the engine loop ends the lease.
+    slack = h.conn.leases.worker_slack_s
+    assert h.worker.deadlines["d-1"] - time.perf_counter() == pytest.approx(90 + slack, abs=1)
+    assert not h.scheduler.has_requests()
+    assert h.conn.next_deadline() == pytest.approx(time.perf_counter() + 90, abs=1)
+
+
+def test_an_expiring_lease_wakes_the_sleeping_engine_at_its_deadline(
+    h: Harness, inputs: queue.Queue[Any]
+) -> None:
+    finish_decode_turn(h, "d-1", "key-1", kvtether_lease_ttl_s=0.5)
+    _settle(h)
+    deadline = h.conn.next_deadline()
+    assert deadline is not None
+    assert inputs.get(timeout=5) == WAKEUP  # nothing else happened: the deadline did
+    assert time.perf_counter() >= deadline
+    steps = 0
+    while h.scheduler.has_requests() and steps < 50:
         h.step()
-    assert h.outputs["p-0"]["kvtether_timings"]["read_s"] is None
+        steps += 1
+        time.sleep(0.01)
+    assert "d-1" not in h.scheduler.requests
+    info = h.conn.leases.lease("key-1")
+    assert isinstance(info, LeaseInfo) and info.state is LeaseState.EXPIRED
+    status = h.conn.status()
+    assert status.idle is not None and status.idle.wakeups["deadline"] >= 1
+
+
+def test_a_new_request_keeps_upstream_behaviour(h: Harness) -> None:
+    finish_decode_turn(h, "d-1", "key-1")
+    _settle(h)
+    h.add("d-2", list(range(30, 40)), None, max_tokens=2)
+    assert h.scheduler.has_requests()  # an unfinished request always steps
+
+
+def test_without_an_engine_queue_the_scheduler_is_upstream(tmp_path: Path) -> None:
+    # Built outside vLLM's EngineCoreProc (as here): no queue to post wake-ups to.
+    h = _harness(tmp_path)
+    try:
+        finish_decode_turn(h, "d-1", "key-1")
+        h.step()
+        assert h.scheduler.has_requests()  # holds KV, so it keeps stepping like upstream
+        assert h.conn.status().idle is None
+    finally:
+        h.scheduler.shutdown()
+
+
+@pytest.mark.parametrize("cls", [idle_scheduler.TetherScheduler, IdleSleepScheduler])
+@pytest.mark.parametrize("async_scheduling", [True, False, None])
+def test_the_scheduler_named_is_built_async_where_vllm_would_build_async(
+    cls: type, async_scheduling: bool | None,
+) -> None:
+    """vLLM resolves --scheduler-cls as given, and builds AsyncScheduler itself only when no
+    class is named: kvtether's class turns into its AsyncScheduler twin when async
+    scheduling is on, so naming it costs no overlap of scheduling with the step before."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
+    built = cls.__new__(cls, vllm_config=config)  # __init__ needs a whole engine: not run
+    assert isinstance(built, cls)
+    assert isinstance(built, AsyncScheduler) is bool(async_scheduling)
+    if async_scheduling:
+        mro = type(built).__mro__
+        assert mro.index(cls) < mro.index(AsyncScheduler) < mro.index(Scheduler)
+        assert type(cls.__new__(cls, vllm_config=config)) is type(built)  # one twin per class

@@ -6,6 +6,7 @@ import logging
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -87,43 +88,6 @@ def test_thread_stacks_lists_this_thread() -> None:
     assert "test_thread_stacks_lists_this_thread" in thread_stacks()
 
 
-class _Watch:
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def begin(self) -> None:
-        self.calls.append("begin")
-
-    def end(self) -> None:
-        self.calls.append("end")
-
-
-def test_every_step_of_the_connector_begins_and_ends_the_watch(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """vLLM binds a step's metadata first and asks for its transfer results last (also on a
-    step with no forward pass): that pair brackets the watch, even when the last call raises."""
-    pytest.importorskip("vllm")
-    from kvtether.connector.nixl import KVTetherWorker, NixlConnector
-
-    worker = object.__new__(KVTetherWorker)
-    worker._step_watch = _Watch()
-    connector = object.__new__(NixlConnector)
-    connector.connector_worker = worker
-    results = object()
-    parent = KVTetherWorker.__mro__[1]
-    monkeypatch.setattr(parent, "get_transfer_results", lambda self: results)
-    connector.bind_connector_metadata(object())
-    assert worker.get_transfer_results() is results
-    # upstream's legacy get_finished goes through get_transfer_results: one end, not two
-    monkeypatch.setattr(parent, "get_transfer_results",
-                        lambda self: (_ for _ in ()).throw(RuntimeError("nixl")))
-    connector.bind_connector_metadata(object())
-    with pytest.raises(RuntimeError):
-        worker.get_transfer_results()
-    assert worker._step_watch.calls == ["begin", "end", "begin", "end"]
-
-
 class _Native:
     def __init__(self) -> None:
         self.armed: list[float] = []
@@ -171,7 +135,7 @@ def test_a_step_stuck_with_python_running_is_reported_from_python_not_natively()
         watch.close()
 
 
-def test_a_call_holding_the_gil_is_reported_by_the_native_watchdog(tmp_path) -> None:  # noqa: ANN001
+def test_a_call_holding_the_gil_is_reported_by_the_native_watchdog(tmp_path: Path) -> None:
     """A C call that blocks with the GIL held freezes every Python thread: faulthandler's
     watchdog (a C thread) still writes where the worker is."""
     import subprocess
@@ -192,38 +156,6 @@ def test_a_call_holding_the_gil_is_reported_by_the_native_watchdog(tmp_path) -> 
     assert r.returncode == 0, r.stderr
     assert "Timeout (0:00:00.400000)!" in r.stderr, r.stderr
     assert "stuck_in_nixl" in r.stderr
-
-
-def test_the_watched_cpu_worker_brackets_each_step_rpc_whole(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """``WatchedCPUWorker`` watches execute_model and sample_tokens from entry to return, also
-    when they raise; a stall outside the connector's part of a step is reported too."""
-    pytest.importorskip("vllm")
-    from vllm.v1.worker.cpu_worker import CPUWorker
-
-    from kvtether.connector.worker import WatchedCPUWorker
-
-    seen: list[str] = []
-
-    class Watch(_Watch):
-        def begin(self) -> None:
-            seen.append("begin")
-
-        def end(self) -> None:
-            seen.append("end")
-
-    worker = object.__new__(WatchedCPUWorker)
-    worker._rpc_watch = Watch()
-    monkeypatch.setattr(CPUWorker, "execute_model",
-                        lambda self, out: seen.append(f"execute {out}") or "ran", raising=False)
-    monkeypatch.setattr(CPUWorker, "sample_tokens",
-                        lambda self, g: (_ for _ in ()).throw(RuntimeError("sampling")),
-                        raising=False)
-    assert worker.execute_model("step-1") == "ran"
-    with pytest.raises(RuntimeError):
-        worker.sample_tokens(None)
-    assert seen == ["begin", "execute step-1", "end", "begin", "end"]
 
 
 def test_one_watch_per_process_and_the_connector_defers_to_the_whole_rpc_watch(

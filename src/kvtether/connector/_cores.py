@@ -5,9 +5,8 @@ vLLM 0.32's NIXL worker, on a CPU platform, ends its ``__init__`` with
 start_load_kv() from model_forward()", ``nixl/base_worker.py``). ``0`` is the calling thread,
 and the connector is built on the worker's main thread, which is also the OpenMP master thread
 that runs ``model_forward``: every NIXL-enabled CPU instance then computes on the host's last
-core, whatever ``VLLM_CPU_OMP_THREADS_BIND`` said. Measured on a 2-core host (``cpu-bench``,
-1P+1D): prefill's forward thread ran on core 1 next to decode's, core 0 had no model compute at
-all, and 8 concurrent conversations saw turn-2+ TTFT p50 10.4 s.
+core, whatever ``VLLM_CPU_OMP_THREADS_BIND`` said: a prefill and a decode instance on one host
+then compute on the same core while the others sit idle, and every turn waits for it.
 
 :func:`keep_thread_affinity` puts the calling thread back where it was, and with it every
 thread that the wrapped code started after re-pinning (they inherited the reserved cores).

@@ -140,4 +140,5 @@ class ConnectorSettings(BaseModel):
             if not err.path:  # a rule over several settings: its message says it all
                 raise ConfigError(f"invalid kvtether connector settings: {err.cause or err.msg}"
                                   ) from None
-            raise ConfigError(f"invalid kv_connector_extra_config.{err} (got {err.input!r})") from None
+            raise ConfigError(
+                f"invalid kv_connector_extra_config.{err} (got {err.input!r})") from None

@@ -2,17 +2,16 @@
 
 vLLM's engine waits ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` (300 s) for its worker to finish a
 step, then dies with "RPC call to execute_model timed out" and nothing that says where the
-worker was. Seen on loaded 2-core CPU hosts: a prefill worker stopped inside a step while a
-decode instance read its KV over NIXL, and the read then waited for the dead peer until the
-router gave up. The connector sees each step begin (``bind_connector_metadata``) and end
-(``get_transfer_results``); :class:`StepWatch` reports a step that has run for ``after_s``:
+worker was; meanwhile a decode instance reading that worker's KV over NIXL waits for a dead
+peer until the router gives up. The connector sees each step begin
+(``bind_connector_metadata``) and end (``get_transfer_results``); :class:`StepWatch` reports a
+step that has run for ``after_s``:
 
 * from a Python thread, with every thread's stack and name, when the stuck call lets other
   Python threads run (it released the GIL, as blocking I/O and most NIXL waits do);
 * from ``faulthandler``'s native watchdog when it does not: a C call that blocks while holding
-  the GIL freezes every Python thread, this one included (a report that came late, with all
-  four workers of a 2P+2D stack frozen for ~110 s at once, pointed there). The Python thread
-  keeps that watchdog re-armed while steps end; if it cannot run, the watchdog writes
+  the GIL freezes every Python thread, this one included. The Python thread keeps that
+  watchdog re-armed while steps end; if it cannot run, the watchdog writes
   ``Timeout (0:01:00)!`` and every thread's stack to the worker's stderr (the instance log).
 
 A call stuck in NIXL or UCX shows as the Python line that made it.

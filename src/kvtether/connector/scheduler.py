@@ -7,10 +7,10 @@ on every kvtether-connector engine that does not sleep (the ``gpu`` profile).
 
 :class:`IdleSleepScheduler` (``--scheduler-cls kvtether.connector.scheduler.IdleSleepScheduler``,
 kvtether's CPU profiles) adds: the engine sleeps while it only holds KV for a remote reader.
-Why: in vLLM 0.32 a request whose blocks wait for a remote reader stays in ``Scheduler.requests``, so ``has_requests()`` stays
-true and ``EngineCore.run_busy_loop`` steps every ~1 ms (schedule, an RPC to the worker,
-NIXL polling) for the whole time decode retains a conversation's KV, and on prefill until
-decode has read it. On a CPU host that is a core per engine, stolen from the turns.
+Why: in vLLM 0.32 a request whose blocks wait for a remote reader stays in
+``Scheduler.requests``, so ``has_requests()`` stays true and ``EngineCore.run_busy_loop`` steps
+every ~1 ms (schedule, an RPC to the worker, NIXL polling) for the whole time decode retains a
+conversation's KV, and on prefill until decode has read it. On a CPU host that is a core per engine, stolen from the turns.
 
 This scheduler reports no work when nothing else is left, so the engine blocks on its input
 queue like an idle one; :class:`~kvtether.connector._idle.EngineWaker` wakes it for the steps

@@ -1,12 +1,11 @@
-"""Connector settings from extra_config, and the vLLM version guard (no vLLM import)."""
+"""Connector settings from ``kv_connector_extra_config`` (no vLLM import)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvtether.connector import TARGET_VLLM_VERSION, VLLMVersionError, check_vllm_version
 from kvtether.connector._settings import ConnectorSettings
-from kvtether.errors import ConfigError, KVTetherError
+from kvtether.errors import ConfigError
 
 
 def test_settings_read_kvtether_keys_only() -> None:
@@ -35,12 +34,3 @@ def test_control_port_falls_back_to_env() -> None:
 def test_bad_settings_name_the_key(extra: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         ConnectorSettings.from_extra_config(extra, env={})
-
-
-def test_version_guard_names_both_versions() -> None:
-    assert check_vllm_version(TARGET_VLLM_VERSION) == TARGET_VLLM_VERSION
-    assert check_vllm_version(TARGET_VLLM_VERSION + "+cpu") == TARGET_VLLM_VERSION + "+cpu"
-    with pytest.raises(VLLMVersionError) as err:
-        check_vllm_version("0.33.1")
-    assert "0.33.1" in str(err.value) and TARGET_VLLM_VERSION in str(err.value)
-    assert isinstance(err.value, KVTetherError)
