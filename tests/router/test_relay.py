@@ -105,7 +105,8 @@ def test_which_requests_prefill_s_token_may_lead(body: dict, relayed: bool) -> N
 def context(clock: ManualClock, endpoint: str = "/v1/chat/completions") -> TurnContext:
     record = p.TurnRecord(turn=1, outcome="fired", started_unix_s=clock.now_unix_s())
     decode = Backend("decode-0", "decode", "http://d", None, None)  # type: ignore[arg-type]
-    return TurnContext(conv=None, decode=decode, upstream=None, slot=decode.slot(),  # type: ignore[arg-type]
+    return TurnContext(conv=None, decode=decode, slot=decode.slot(),
+                       upstream=None,  # type: ignore[arg-type]
                        record=record, headers={}, handle_key=None, wants_token_ids=False,
                        decode_sent_unix_s=clock.now_unix_s() + 0.5, api=api_for(endpoint))
 

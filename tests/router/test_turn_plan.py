@@ -51,7 +51,8 @@ def test_a_local_prefill_is_a_hit_on_its_instance_and_a_loss_elsewhere() -> None
 
 def test_a_prefill_leg_s_outcome_is_what_prefill_reports() -> None:
     leg = plan(Compute.PREFILL_LEG)
-    assert turn_outcome(leg, Leg(96), backend("decode-0"), S).label == "fired"  # type: ignore[arg-type]
+    hit = turn_outcome(leg, Leg(96), backend("decode-0"), S)  # type: ignore[arg-type]
+    assert hit.label == "fired"
     failed = turn_outcome(leg, Leg(0), backend("decode-0"), S)  # type: ignore[arg-type]
     assert failed.cause is p.MissCause.TRANSFER_FAILED
 
@@ -72,7 +73,8 @@ def test_the_decode_leg_reads_what_the_plan_says_and_keeps_it_under_the_key() ->
     assert local["kv_transfer_params"] == {kv_keys.KV_PARAM_LOCAL_PREFILL: True,
                                            kv_keys.KV_PARAM_HANDLE_KEY: "k",
                                            kv_keys.KV_PARAM_LEASE_TTL_S: 60.0}
-    leg = decode_body(body, False, plan(Compute.PREFILL_LEG), Leg(96), None, 60.0)  # type: ignore[arg-type]
+    leg = decode_body(body, False, plan(Compute.PREFILL_LEG),
+                      Leg(96), None, 60.0)  # type: ignore[arg-type]
     assert leg["kv_transfer_params"] == {"do_remote_prefill": True, "remote_block_ids": [[1]],
                                          kv_keys.KV_PARAM_REPORT_TOKEN_IDS: True}
     assert "kv_transfer_params" not in decode_body(body, True, plan(Compute.DECODE_ALONE),

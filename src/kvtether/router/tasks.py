@@ -20,7 +20,8 @@ class TaskOwner:
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    def start(self, work: Coroutine[Any, Any, Any], *, name: str | None = None) -> asyncio.Task[Any]:
+    def start(self, work: Coroutine[Any, Any, Any], *,
+              name: str | None = None) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(work, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._done)

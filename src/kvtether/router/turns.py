@@ -485,7 +485,7 @@ class TurnRunner:
         router_ids = next((t.ids for t in reversed(tokenized)
                            if t is not None and t.by_router and t.ids is not None), None)
         return self._route(
-            req, reuse, prefill, frozenset(refused), cached_decode, taken, turn,
+            turn, reuse, prefill, frozenset(refused), cached_decode, taken,
             had_retained=had_retained, previous=previous, router_ids=router_ids,
         )
 
@@ -514,8 +514,8 @@ class TurnRunner:
         return self.retention.take(conv)
 
     def _route(
-        self, req: TurnRequest, reuse: ReusePlan, prefill: Backend, refused: frozenset[str],
-        cached_decode: Backend | None, taken: RetainedKV | None, turn: _Turn, *,
+        self, turn: _Turn, reuse: ReusePlan, prefill: Backend, refused: frozenset[str],
+        cached_decode: Backend | None, taken: RetainedKV | None, *,
         had_retained: bool, previous: list[int] | None, router_ids: list[int] | None,
     ) -> TurnPlan:
         """Where the turn computes (no I/O): on the decode instance whose prefix cache still
@@ -536,7 +536,8 @@ class TurnRunner:
             reuse=reuse,
             compute=Compute.LOCAL if local else Compute.PREFILL_LEG,
             prefill=prefill, refused=refused, holder=holder, taken=taken, preferred=preferred,
-            work_tokens=(reuse.new_tokens or 0) if local else prompt_work(req.body, reuse, ids),
+            work_tokens=((reuse.new_tokens or 0) if local
+                         else prompt_work(turn.req.body, reuse, ids)),
             previous=previous, conversation=conv is not None, had_retained=had_retained,
             store_down=turn.store_down, from_prefix_cache=cached_decode is not None,
             router_ids=router_ids,
