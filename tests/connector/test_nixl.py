@@ -260,7 +260,7 @@ def test_failed_read_recomputes_instead_of_waiting_forever(tmp_path: Path) -> No
 
 def test_prefill_exports_how_long_it_holds_a_new_turn_s_kv(tmp_path: Path) -> None:
     # Upstream exports a deadline only with decode-held KV; prefill's lets decode decline a
-    # read that comes after prefill may have freed the blocks (see test_late_read.py).
+    # read that comes after prefill may have freed the blocks (the worker tests below).
     h = Harness(tmp_path, extra={"kv_lease_duration": 120})
     before = time.perf_counter()
     h.add("p-0", list(range(10, 22)), {"do_remote_decode": True})

@@ -7,9 +7,11 @@ vLLM releases without notice, so the connector refuses to load on any other vers
 than misbehave quietly. Moving to a new vLLM means re-reading those files, changing
 ``TARGET_VLLM_VERSION`` here and what :mod:`.upstream` reaches into, nowhere else.
 
-This package imports no vLLM itself, so ``kvtether.connector`` imports without it.
-:mod:`.upstream` holds every private vLLM name the connector uses and imports
-:data:`VLLM_VERSION` before any vLLM module: on another vLLM it fails with
+This package is the only place the connector names vLLM's private parts: here the
+``kv_transfer_params`` key upstream marks a finished read with, in :mod:`.upstream` the
+scheduler and worker internals (and :mod:`.cpu` vLLM's CPU worker). This module itself imports
+no vLLM, so ``kvtether.connector`` imports without it; :mod:`.upstream` and :mod:`.cpu` import
+:data:`VLLM_VERSION` before any vLLM module, so on another vLLM they fail with
 :class:`VLLMVersionError` before an import of vLLM's internals can.
 """
 
