@@ -147,3 +147,37 @@ def test_readme_starts_with_the_two_commands():
     assert body[1].startswith("make demo")
     assert body[2].startswith("make test")
     assert body[3] == "```"
+
+
+def _documented_modules() -> dict[str, set[str]]:
+    """docs/architecture.md's source-layout table: package -> the module names its row names."""
+    rows: dict[str, set[str]] = {}
+    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`"):
+            package = cells[0].strip("`").rstrip("/")
+            described = cells[1]
+            while (shorter := re.sub(r"\([^()]*\)", "", described)) != described:
+                described = shorter  # what a module holds, in parentheses, names no module
+            rows[package] = set(re.findall(r"`([\w.-]+)`", described))
+    return rows
+
+
+def test_the_architecture_page_names_every_module() -> None:
+    # docs/architecture.md is where a new maintainer starts: a module it omits is one they
+    # will not find, a name it keeps after a module left misleads them.
+    rows = _documented_modules()
+    src = ROOT / "src" / "kvtether"
+    assert "router" in rows and "connector" in rows
+    wrong = []
+    for package, named in rows.items():
+        if package == "protocol":
+            continue  # one package, described as a whole
+        files = {p.stem for p in (src / package).glob("*.py")} - {"__init__", "__main__"}
+        files |= {p.name for p in (src / package).glob("*.js")}
+        files |= {p.name for p in (src / package).iterdir() if (p / "__init__.py").exists()}
+        wrong += [f"{package}/{m}: not in the table" for m in sorted(files - named)]
+        wrong += [f"{package}/{m}: no such module" for m in sorted(named - files)]
+    missing = sorted(p.name for p in src.iterdir() if p.is_dir() and (p / "__init__.py").exists()
+                     and p.name not in rows)
+    assert not wrong and not missing, "\n".join(wrong + [f"{m}/: no row" for m in missing])

@@ -9,7 +9,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvtether import protocol as p
 from kvtether.protocol import _kv_params as kv_keys
 from kvtether.errors import ConfigError
 from kvtether.router import RouterSettings, create_app

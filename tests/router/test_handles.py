@@ -6,7 +6,6 @@ import asyncio
 
 import pytest
 
-from kvtether import protocol as p
 from kvtether.protocol import _kv_params as kv_keys
 from tests.support.fake_vllm import BLOCK_SIZE
 from tests.support.router_harness import Harness, make_router

@@ -10,8 +10,8 @@ __all__ = ["RouterSettings", "create_app", "serve"]
 # How long the router (and the front) keeps an idle client connection open. uvicorn's default,
 # 5 s, equals the idle expiry of httpx's pool, which the OpenAI SDK and kvtether's clients use:
 # with equal timers a client can send a turn on a connection the server is closing, and the turn
-# fails before it left (APIConnectionError; seen once in a 1,254-turn soak, whose SDK does not
-# retry). Longer than any such client's expiry, the client always closes first.
+# fails before it left (APIConnectionError, which an SDK set not to retry hands to the agent).
+# Longer than any such client's expiry, the client always closes first.
 SERVER_KEEP_ALIVE_S = 75
 
 
