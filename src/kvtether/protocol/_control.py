@@ -36,9 +36,9 @@ from kvtether.protocol._wire import PROTOCOL_VERSION
 # ``LeaseState`` and a ``lease`` field holding the final ``LeaseInfo``. With a shared secret in
 # the connector's environment (``CONTROL_SECRET_ENV``) every request carries
 # ``Authorization: Bearer <secret>`` (else 401, ``error.code`` "invalid_control_secret").
+# Past its connection cap the channel answers 503, ``error.code`` "too_many_connections".
 CONTROL_API_PREFIX = "/kvtether/v1"
 CONTROL_SECRET_ENV = "KVTETHER_CONTROL_SECRET"
-
 
 # vLLM's prefill side declines to read a handle whose expiry is this close (seconds). This is
 # vLLM 0.32's ``_KV_BLOCKS_EXPIRY_SAFETY_MARGIN``, written here because the router and tests
