@@ -74,24 +74,22 @@ _LIVE = (LeaseState.ACTIVE, LeaseState.RELEASING)
 
 
 @dataclass(frozen=True)
-class Renewed:
+class _Answered:
+    """A lease's state after the call: the subclass says what happened to it."""
+
+    info: LeaseInfo
+
+
+class Renewed(_Answered):
     """The lease now ends no earlier than asked."""
 
-    info: LeaseInfo
 
-
-@dataclass(frozen=True)
-class Released:
+class Released(_Answered):
     """The lease has ended (freed by this release, or ended before it)."""
 
-    info: LeaseInfo
 
-
-@dataclass(frozen=True)
-class Releasing:
+class Releasing(_Answered):
     """The lease is released; the worker frees its blocks within a step or two."""
-
-    info: LeaseInfo
 
 
 @dataclass(frozen=True)
