@@ -43,6 +43,7 @@ from kvtether.router.conversations import (
     StoreFencedError,
     StoreUnavailableError,
 )
+from kvtether.router.tasks import TaskOwner
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +114,7 @@ class _RedisHeld:
     def commit_soon(self) -> None:
         if self._done:
             return
-        task = asyncio.get_running_loop().create_task(self._commit_logged())
-        self._store._background.add(task)
-        task.add_done_callback(self._store._background.discard)
+        self._store._tasks.start(self._commit_logged(), name="store commit")
 
     async def _commit_logged(self) -> None:
         try:
@@ -151,7 +150,7 @@ class RedisConversationStore:
         self._lock_ttl_ms = max(1, int(lock_ttl_s * 1000))
         self._max_turn_records = max_turn_records
         self.metrics = metrics
-        self._background: set[asyncio.Task[Any]] = set()
+        self._tasks = TaskOwner()  # commits nobody awaits (commit_soon)
         self._lock_script = self._r.register_script(lua.LOCK)
         self._save_script = self._r.register_script(lua.SAVE)
         self._extend_script = self._r.register_script(lua.EXTEND)
@@ -312,6 +311,6 @@ class RedisConversationStore:
         return None
 
     async def aclose(self) -> None:
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        # A commit still running past the lock's TTL would be fenced anyway.
+        await self._tasks.drain(self.lock_ttl_s)
         await self._r.aclose()
