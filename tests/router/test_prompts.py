@@ -199,3 +199,48 @@ def test_a_chat_template_that_does_not_parse_loads_nothing(tiny_dir: Path, tmp_p
     (broken / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
     assert PromptTokenizer.load(broken) is None
     assert "could not be loaded" in caplog.text
+
+
+def test_a_growing_conversation_encodes_as_the_whole_text(tok: PromptTokenizer) -> None:
+    """Turn after turn, the cached pieces joined are what encoding the whole prompt gives."""
+    assert tok._segments is not None  # the tiny model's specials split cleanly
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "Be terse. " * 40}]
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"step {turn}: " + "read the file " * 30})
+        body = _chat(*messages)
+        text = tok._tok.apply_chat_template(conversation=messages, tokenize=False,
+                                            add_generation_prompt=True)
+        assert tok.token_ids("/v1/chat/completions", body) == list(
+            tok._tok(text, add_special_tokens=False)["input_ids"])
+        messages.append({"role": "assistant", "content": "done " * 20})
+    assert len(tok._segments._cache) >= 4  # the system prompt and earlier messages were kept
+
+
+def test_the_cache_drops_its_least_recently_used_text(tiny_dir: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtether.router import prompts
+
+    monkeypatch.setattr(prompts._SegmentEncoder, "MAX_CACHED_CHARS", 500)
+    fresh = PromptTokenizer.load(tiny_dir)
+    assert fresh is not None and fresh._segments is not None
+    for i in range(10):
+        fresh.token_ids("/v1/completions", {"prompt": f"{i} " + "word " * 40,
+                                            "add_special_tokens": False})
+    assert fresh._segments._cached_chars <= 500
+    assert len(fresh._segments._cache) == 2
+
+
+def test_a_tokenizer_whose_pieces_encode_differently_encodes_whole_texts() -> None:
+    """SentencePiece's leading-space marker goes only before the text's first piece: encoding
+    the pieces apart would add it to every one, so such a tokenizer is not split."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvtether.router.prompts import _SegmentEncoder
+
+    vocab = {"<unk>": 0, "<s>": 1, "▁": 2, "▁a": 3, "a": 4, "b": 5, "▁b": 6}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    fast.add_special_tokens({"additional_special_tokens": ["<|sep|>"]})
+    assert _SegmentEncoder.for_tokenizer(fast) is None
