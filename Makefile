@@ -35,20 +35,19 @@ test-fast: setup
 	$(PY) -m pytest tests $(INTEGRATION_TESTS) -m "not vllm and not soak" $(PYTEST_ARGS)
 
 # The published benchmark runs in docs/benchmarks/ (~45 min on 2 cores): every strategy on long
-# coding-agent sessions (cpu-agents, 16-28K tokens), kvtether computing short turns on decode,
-# the crossover grid, and public Claude Code traces replayed. BENCH_ARGS adds flags to the
-# first. How to read them: docs/benchmark.md.
+# coding-agent sessions (cpu-agents, 16-28K tokens), the same with every kvtether turn through
+# prefill (no local prefill: the D->P read on every turn), the crossover grid, and public Claude
+# Code traces replayed. BENCH_ARGS adds flags to the first. How to read them: docs/benchmark.md.
 BENCH_OUT ?= docs/benchmarks
 LONG_SESSIONS := --profile cpu-agents --sessions 6 --turns 8 12 --context-tokens 28000 \
 	--system-tokens 10000 --max-output-tokens 64 --stream-fraction 1 --long-tools 1
 bench: setup
 	$(PY) -m kvtether bench $(LONG_SESSIONS) --out $(BENCH_OUT)/results $(BENCH_ARGS)
-	KVTETHER_LOCAL_PREFILL_MAX_TOKENS=512 $(PY) -m kvtether bench $(LONG_SESSIONS) \
-		--strategies colocated colocated-instance kvtether --out $(BENCH_OUT)/local-prefill
-	rm $(BENCH_OUT)/local-prefill/scenario.json  # results/'s, kept once (docs/benchmarks <= 3 MB)
+	KVTETHER_LOCAL_PREFILL_MAX_TOKENS=0 $(PY) -m kvtether bench $(LONG_SESSIONS) \
+		--strategies colocated colocated-instance pd-oneway kvtether \
+		--out $(BENCH_OUT)/every-turn-prefill
+	rm $(BENCH_OUT)/every-turn-prefill/scenario.json  # results/'s, kept once (<= 3 MB)
 	$(PY) -m kvtether bench crossover --out $(BENCH_OUT)/crossover
-	KVTETHER_LOCAL_PREFILL_MAX_TOKENS=512 $(PY) -m kvtether bench crossover \
-		--out $(BENCH_OUT)/crossover-local-prefill
 	$(PY) -m kvtether bench traces tests/fixtures/traces/kv-cache-tester-12.json --sessions 3 \
 		--max-turns 10 --max-output-tokens 64 --out $(BENCH_OUT)/traces/scenario.json
 	$(PY) -m kvtether bench --profile cpu-agents --scenario $(BENCH_OUT)/traces/scenario.json \

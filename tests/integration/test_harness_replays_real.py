@@ -57,7 +57,10 @@ def test_a_recorded_harness_session_replays_on_the_stack(agents_stack, agents_re
                 assert t.reusable_tokens >= prev.prompt_tokens + prev.output_tokens - 1, (
                     *where, t.reusable_tokens, prev.prompt_tokens, prev.output_tokens)
                 assert t.reused_tokens > 0, where
-        # Greedy (temperature 0): token for token what a colocated vLLM answers.
+        # Greedy (temperature 0): token for token what a colocated vLLM answers, also on the
+        # chat turns decode computed itself from the router's token ids (cpu-agents' local
+        # prefill; Messages and Responses turns always go through prefill, which the router
+        # cannot tokenize for).
         diverged = [(t.index, t.agent, t.text, t.reference_text) for t in turns
                     if t.text != t.reference_text]
         assert not diverged, (fixture.name, diverged)

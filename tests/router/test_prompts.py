@@ -112,6 +112,7 @@ class _FakeVllmTokenizer(PromptTokenizer):
 
     def __init__(self, shift: bool = False) -> None:  # noqa: D107 - no real tokenizer
         self.enabled, self.shift, self.calls = True, shift, 0
+        self._agreed = self._vouched = 0
 
     def token_ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
         if not self.enabled:
@@ -139,6 +140,45 @@ async def test_the_router_tokenizes_without_asking_prefill(stream: bool) -> None
         assert h.p.tokenize_calls == 0 and fake.calls == 3
         assert await h.metric("kvtether_prompt_tokenizations_total", 'by="router"') == 3
         assert await h.metric("kvtether_router_tokenizer_mismatches_total") == 0
+        # Decode took the ids prefill rendered instead of rendering the chat again.
+        decode_legs = h.d.forwarded_prompt_ids
+        assert len(decode_legs) == 4 and all(decode_legs), decode_legs
+        assert h.p.forwarded_prompt_ids == [None] * 4  # prefill renders: that is the check
+        h.assert_kv_correct()
+
+
+async def test_a_local_prefill_takes_the_router_ids_once_a_check_agreed() -> None:
+    """Decode computes short turns itself; it takes the router's ids once vLLM's own rendering
+    agreed with them (the first local turn: turn 1 had nothing to check), and renders every
+    eighth such turn itself, so the check goes on."""
+    async with make_router(control=True, fake=FAKE, local_prefill_max_tokens=200) as h:
+        h.app.state.runner.prompts = fake = _FakeVllmTokenizer()
+        agent = h.conversation("forwarded")
+        await agent.say("first question " * 20)  # through prefill: checked, and agreed
+        for i in range(9):
+            turn = await agent.say(f"tool output {i} " * 5)
+            assert turn.outcome == "fired", turn.outcome
+        local = h.d.forwarded_prompt_ids[1:]
+        assert len(local) == 9 and h.p.forwarded_prompt_ids == [None]
+        assert [ids is not None for ids in local] == [False] + [True] * 7 + [False]
+        assert fake._agreed == 2  # the turns decode rendered
+        assert await h.metric("kvtether_router_tokenizer_mismatches_total") == 0
+        h.assert_kv_correct()
+
+
+async def test_a_tokenizer_that_disagrees_is_never_forwarded() -> None:
+    async with make_router(control=True, fake=FAKE, local_prefill_max_tokens=200) as h:
+        h.app.state.runner.prompts = _FakeVllmTokenizer(shift=True)
+        agent = h.conversation("unchecked")
+        await agent.say("first question " * 20)
+        await agent.say("tool output " * 5)  # local: decode renders it; the check disagrees
+        await agent.say("more output " * 5)  # local, planned on prefill's /tokenize
+        first_local, second_local = h.d.forwarded_prompt_ids[1:]
+        assert first_local is None
+        # Decode took vLLM's own ids (prefill's /tokenize), not the router's shifted ones.
+        assert second_local is not None and second_local[-1] != 5
+        assert h.p.tokenize_calls == 1
+        assert await h.metric("kvtether_router_tokenizer_mismatches_total") == 1
         h.assert_kv_correct()
 
 

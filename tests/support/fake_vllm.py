@@ -485,6 +485,8 @@ class FakeVLLM:
         self.requests: list[Received] = []  # every completion request, as received
         self.prefill_handles: list[dict[str, Any] | None] = []  # kv_transfer_params, P legs
         self.decode_params: list[dict[str, Any]] = []  # kv_transfer_params, D legs
+        # kv_transfer_params["prompt_token_ids"] of each generation request (None: rendered)
+        self.forwarded_prompt_ids: list[list[int] | None] = []
         self.responses: list[dict[str, Any]] = []  # non-streamed bodies sent
         self.stream_chunks: list[list[dict[str, Any]]] = []  # streamed chunks sent
         self.tokenize_calls = 0
@@ -656,6 +658,18 @@ class FakeVLLM:
             prompt = prompt_ids_of(body, chat)
         except (ValueError, TypeError, KeyError) as exc:
             return vllm_error(str(exc))
+        # vLLM 0.32 (renderers.online_renderer): a chat request's forwarded ids replace its
+        # rendering, and are taken out of kv_transfer_params.
+        kvp_in = body.get("kv_transfer_params")
+        forwarded = kvp_in.pop("prompt_token_ids", None) if chat and isinstance(kvp_in, dict) else None
+        if forwarded is not None:
+            if (not isinstance(forwarded, list) or not forwarded
+                    or any(type(t) is not int or t < 0 for t in forwarded)):
+                return vllm_error("`kv_transfer_params['prompt_token_ids']` must be a non-empty "
+                                  "list of non-negative integers.",
+                                  param="kv_transfer_params.prompt_token_ids")
+            prompt = list(forwarded)
+        self.forwarded_prompt_ids.append(forwarded)
         if len(prompt) > self.max_model_len:
             return vllm_error(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "

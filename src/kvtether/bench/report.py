@@ -111,8 +111,8 @@ def _run_lines(meta: dict[str, Any], title: str) -> list[str]:
         f"duration and TTL divided by it: fixed TTL {meta['fixed_ttl_s']:g} s workload = "
         f"{meta['fixed_ttl_s'] / meta['compress']:.1f} s wall), prefill prefix cache "
         f"{'on' if meta['prefill_prefix_caching'] else 'off'}, P/D baselines on the "
-        f"{meta.get('baseline_connector', 'kvtether')} connector, {meta['host']}, "
-        f"{meta['date']}.",
+        f"{meta.get('baseline_connector', 'kvtether')} connector, {_local_prefill(meta)}, "
+        f"{meta['host']}, {meta['date']}.",
         "",
         "Scenario: " + ", ".join(f"{k} {v}" for k, v in meta["scenario_summary"].items()) + ".",
         "",
@@ -505,3 +505,12 @@ def write_sweep_plot(result: dict[str, Any], out: Path) -> list[Path]:
         ax.set_xlabel("concurrency (sessions at a time)")
     fig.tight_layout()
     return [save_plot(plt, fig, [ttft, rate], out / "sweep.png")]
+
+
+def _local_prefill(meta: dict[str, Any]) -> str:
+    n = meta.get("local_prefill_max_tokens")
+    if n is None:
+        return "kvtether's local prefill not recorded"
+    if n == 0:
+        return "every kvtether turn through prefill"
+    return f"kvtether turns adding at most {n:,} tokens computed on decode (local prefill)"

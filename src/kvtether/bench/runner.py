@@ -34,6 +34,7 @@ from kvtether.bench.strategies import (
     Endpoints,
     Strategy,
     StrategyOptions,
+    stack_settings,
     start_strategy,
 )
 
@@ -75,6 +76,9 @@ def run_meta(args: argparse.Namespace, scenario: Scenario, command: str,
         "fixed_ttl_s": FIXED_TTL_S,
         "prefill_prefix_caching": args.prefill_cache,
         "baseline_connector": args.baseline_connector,
+        # The profile's, or KVTETHER_LOCAL_PREFILL_MAX_TOKENS: what kvtether's router ran with.
+        "local_prefill_max_tokens": stack_settings(
+            STRATEGIES["kvtether"], strategy_options(args)).local_prefill_max_tokens,
         "reference": reference,
         "scenario": {"name": scenario.name, "source": scenario.source},
         "scenario_summary": scenario.summary(FIXED_TTL_S),

@@ -28,7 +28,15 @@ chat template vLLM was started with, ``--chat-template``, or a rendering detail 
 does not know) switches it off for the router's lifetime, with a warning naming the first
 token that differs, and ``kvtether_router_tokenizer_mismatches`` counts it. A wrong token list
 cannot make anyone read wrong KV: prefill's connector checks the prompt against the handle's
-block hashes, and decode's prefix cache is found by hash. It can only mislabel one turn's plan.
+block hashes, and decode's prefix cache is found by hash.
+
+Decode does not render a chat prompt again where it is given its ids (vLLM's
+``kv_transfer_params["prompt_token_ids"]``, kept for a prefill stage's ids; 25-40 ms of a
+30 K-token prompt on a loaded 2-core host). A turn through prefill forwards the ids prefill
+rendered; a turn decode computes itself (local prefill) forwards the router's, once a check has
+agreed (:meth:`PromptTokenizer.vouches`), except every eighth, which decode renders so that the
+check goes on. A rendering detail this module gets wrong for a message shape that comes later
+in a conversation can so reach the model on a few turns before its first check switches it off.
 
 A conversation's next prompt repeats its last one, so the encoding is cached by the text
 between special tokens (:class:`_SegmentEncoder`): a turn encodes only its new messages. A
@@ -89,6 +97,8 @@ class PromptTokenizer:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvtether-tokenize")
         self._segments = _SegmentEncoder.for_tokenizer(tokenizer)
         self.enabled = True
+        self._agreed = 0  # checks that found the router's ids equal to vLLM's
+        self._vouched = 0
 
     @classmethod
     def load(cls, path: Path | str) -> PromptTokenizer | None:
@@ -144,6 +154,7 @@ class PromptTokenizer:
         """Compare the router's token ids with those vLLM reported for the same prompt; on the
         first difference, switch off for good. True when they are the same."""
         if mirrored == reported:
+            self._agreed += 1
             return True
         if self.enabled:
             at = next((i for i, (a, b) in enumerate(zip(mirrored, reported, strict=False))
@@ -155,6 +166,19 @@ class PromptTokenizer:
                 len(mirrored), len(reported), at)
         self.enabled = False
         return False
+
+    def vouches(self) -> bool:
+        """Whether this turn's decode leg may take the router's token ids instead of rendering
+        the chat again (``kv_transfer_params["prompt_token_ids"]``): once a check has agreed,
+        and not on every :attr:`RECHECK_EVERY`-th turn asked about, which vLLM renders
+        itself so that :meth:`check` keeps comparing (a turn with forwarded ids reports them
+        back unchanged, which checks nothing)."""
+        if not self.enabled or not self._agreed:
+            return False
+        self._vouched += 1
+        return self._vouched % self.RECHECK_EVERY != 0
+
+    RECHECK_EVERY = 8
 
     # ------------------------------------------------------------------ rendering
     def _completion(self, body: dict[str, Any]) -> list[int]:

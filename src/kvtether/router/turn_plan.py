@@ -83,8 +83,10 @@ def prompt_work(body: dict[str, Any], plan: ReusePlan, ids: list[int] | None) ->
 
 def decode_body(body: dict[str, Any], token_ids_in_answer: bool, plan: TurnPlan,
                 leg: PrefillResult | None, handle_key: str | None,
-                lease_s: float) -> dict[str, Any]:
-    """The decode leg's request: the client's, with what decode reads and keeps."""
+                lease_s: float, prompt_ids: list[int] | None = None) -> dict[str, Any]:
+    """The decode leg's request: the client's, with what decode reads and keeps, and
+    ``prompt_ids``, the prompt's token ids decode takes instead of rendering the chat again
+    (vLLM's ``kv_transfer_params["prompt_token_ids"]``; chat completions only)."""
     out = dict(body)
     if token_ids_in_answer:
         out["return_token_ids"] = True
@@ -101,6 +103,8 @@ def decode_body(body: dict[str, Any], token_ids_in_answer: bool, plan: TurnPlan,
             kv_keys.KV_PARAM_HANDLE_KEY: handle_key,
             kv_keys.KV_PARAM_LEASE_TTL_S: lease_s,
         })
+    if prompt_ids and "kv_transfer_params" in out:
+        out["kv_transfer_params"]["prompt_token_ids"] = prompt_ids
     return out
 
 

@@ -95,6 +95,7 @@ class _Turn:
         self.store_down = store_down
         self.plan: TurnPlan | None = None
         self.ctx: TurnContext | None = None
+        self.forwarded_router_ids = False  # decode took the router's ids, not its own rendering
         self._settled = self._finished = self._committed = self._old_released = False
 
     @property
@@ -112,7 +113,8 @@ class _Turn:
         if plan.local and cached is not None and plan.reuse.prompt_token_ids is not None:
             runner._check_local_hit(ctx.record, plan.reuse, cached, plan.previous)
         await runner._settle(ctx, handle, self.req.hints)
-        runner._check_tokenized(plan.router_ids, ctx.prompt_ids)
+        if not self.forwarded_router_ids:  # else decode reports back what it was given
+            runner._check_tokenized(plan.router_ids, ctx.prompt_ids)
         self._release_old()
         if self.held is not None and not self._committed:
             self._committed = True
@@ -312,7 +314,7 @@ class TurnRunner:
         if plan.local:
             self.deps.metrics.local_prefills.inc()
         body = decode_body(req.body, req.api.token_ids_in_answer, plan, leg, handle_key,
-                           initial_lease_s(self.s, req.hints))
+                           initial_lease_s(self.s, req.hints), self._ids_for_decode(turn, leg))
         decode_sent = clock.now_unix_s()
         opened, local_work = await self._open_decode(turn, plan, leg, body)
         if turn.conv is not None:
@@ -323,6 +325,26 @@ class TurnRunner:
             return await relay_once(turn.ctx, turn, clock)
         relay = relay_events if req.api.named_events else relay_stream
         return relay(turn.ctx, turn, clock, self.deps.metrics)
+
+    def _ids_for_decode(self, turn: _Turn, leg: legs.PrefillResult | None) -> list[int] | None:
+        """The chat prompt's token ids decode takes instead of rendering it again (kvtether
+        policy): those prefill rendered, or on a local prefill those the turn was planned with
+        when vLLM rendered them (prefill's ``/tokenize``) or the router's tokenizer vouches
+        for its own (:meth:`.prompts.PromptTokenizer.vouches`)."""
+        plan = turn.plan
+        if plan is None or not self.policy.checks_prefix or turn.req.api.name != "chat":
+            return None
+        if leg is not None:
+            return leg.prompt_token_ids or None
+        ids = plan.reuse.prompt_token_ids
+        if not plan.local or not ids:
+            return None
+        if plan.router_ids is None:
+            return ids  # from prefill's /tokenize
+        if ids == plan.router_ids and self.prompts is not None and self.prompts.vouches():
+            turn.forwarded_router_ids = True
+            return ids
+        return None
 
     async def _run_prefill(self, turn: _Turn, plan: TurnPlan) -> legs.PrefillResult | None:
         """The prefill leg; None when it timed out (decode then answers alone)."""

@@ -80,11 +80,14 @@ PROFILES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
         # Coding agents as they ship (Claude Code, Codex, OpenCode): their first request holds
         # 30-55 K characters of system prompt and tool schemas, and sessions grow to tens of
         # thousands of tokens. The `agents` model holds 64K tokens and prefills 30K in seconds
-        # on one core; it answers nonsense (docs/coding-agents.md). Every turn through prefill,
-        # as on the GPU profile: a harness's turns add hundreds to thousands of tokens.
+        # on one core; it answers nonsense (docs/coding-agents.md). A turn adding at most
+        # 2,048 tokens to what decode holds is computed there: on one core a prefill leg (its
+        # queue, two KV reads, a decode step) costs about twice the compute it saves decode.
+        # Larger turns still go through prefill: one of 4K tokens on decode holds up the short
+        # ones behind it (the runs: docs/decisions/local-prefill.md).
         "cpu-agents": MappingProxyType(
             {**_CPU, "prepared_model": "agents", "max_model_len_tokens": 65536,
-             "kv_cache_space_gib": 2}
+             "kv_cache_space_gib": 2, "local_prefill_max_tokens": 2048}
         ),
         # One GPU per instance when there are enough of them (``gpu_ids``); CUDA graphs on.
         "gpu": MappingProxyType(
