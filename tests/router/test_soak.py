@@ -55,7 +55,8 @@ def _forget_fake_history(h: Harness) -> None:
     """The fake instances record every request for other tests; drop that, keep live state."""
     for inst in (*h.prefill, *h.decode):
         for name in ("requests", "prefill_handles", "decode_params", "responses",
-                     "stream_chunks", "control_calls", "renewals", "releases"):
+                     "stream_chunks", "control_calls", "renewals", "releases",
+                     "forwarded_prompt_ids"):
             getattr(inst, name).clear()
         for key in [k for k, r in inst.leases.items() if r.state != "held"]:
             del inst.leases[key]

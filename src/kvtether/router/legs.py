@@ -6,7 +6,6 @@ answers, not conversations (the turn runner decides what a leg's result means fo
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ import httpx
 
 from kvtether import protocol as p
 from kvtether.protocol import _kv_params as kv_keys
+from kvtether.router import _json
 from kvtether.router._errors import RouterHTTPError, UpstreamError
 from kvtether.router.apis import api_for
 from kvtether.router.backends import Backend, BackendPool, BackendStalledError, Slot, watch
@@ -195,7 +195,7 @@ async def prefill(
     try:
         with backend.slot(prompt_tokens=work_tokens):
             r = await watch(backend.client.post(
-                endpoint, json=leg_body, headers={"X-Request-Id": request_id},
+                endpoint, content=_json.dumps(leg_body), headers=_json_headers(request_id),
                 **({"timeout": _leg_timeout(backend, timeout_s)} if timeout_s else {}),
             ), backend, holder if handle else None)
     except httpx.HTTPError as exc:
@@ -321,7 +321,8 @@ async def open_decode(
         if stream_idle_timeout_s is not None and body.get("stream"):
             extra["timeout"] = _leg_timeout(decode, stream_idle_timeout_s)
         request = decode.client.build_request(
-            "POST", endpoint, json=body, headers={"X-Request-Id": request_id}, **extra
+            "POST", endpoint, content=_json.dumps(body), headers=_json_headers(request_id),
+            **extra
         )
         slot = decode.slot()
         try:
@@ -362,10 +363,14 @@ def prompt_ids(data: dict[str, Any]) -> list[int]:
     return list(ids or [])
 
 
+def _json_headers(request_id: str) -> dict[str, str]:
+    return {"X-Request-Id": request_id, "Content-Type": "application/json"}
+
+
 def json_or_502(raw: bytes, backend: Backend) -> dict[str, Any]:
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        data = _json.loads(raw)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         data = None
     if not isinstance(data, dict):
         raise RouterHTTPError(502, f"{backend.role} instance {backend.name} answered with "

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvtether import protocol as p
+from kvtether.router import _json
 from kvtether.router._clock import Clock
 from kvtether.router._errors import RouterHTTPError, anthropic_error_body
 from kvtether.router.answers import AnswerReader
@@ -175,8 +176,8 @@ def parse_data_line(line: str) -> Done | Chunk | Passthrough | None:
     if not line.startswith("data: "):
         return Passthrough(line) if line else None
     try:
-        data = json.loads(line[6:])
-    except json.JSONDecodeError:
+        data = _json.loads(line[6:])
+    except ValueError:
         return Passthrough(line)
     return Chunk(data) if isinstance(data, dict) else Passthrough(line)
 
@@ -322,6 +323,9 @@ def relay_stream(ctx: TurnContext, turn: TurnEnding, clock: Clock,
                         yield _mismatch(ctx, metrics)
                         return
                     if verdict is Splice.KEEP:
+                        if splice is None and ctx.wants_token_ids:
+                            yield (line + "\n\n").encode()  # as decode wrote it
+                            continue
                         if not ctx.wants_token_ids:
                             _strip_token_ids(item.data)
                         yield _event(item.data)
@@ -391,7 +395,7 @@ def _stream_response(body: AsyncIterator[bytes], turn: TurnEnding,
 
 
 def _event(chunk: dict[str, Any]) -> bytes:
-    return ("data: " + json.dumps(chunk, separators=(",", ":")) + "\n\n").encode()
+    return b"data: " + _json.dumps(chunk) + b"\n\n"
 
 
 def _first_chunks(first: FirstToken, wants_token_ids: bool) -> list[dict[str, Any]]:
