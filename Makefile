@@ -34,7 +34,7 @@ test-compat: setup
 test-fast: setup
 	$(PY) -m pytest tests $(INTEGRATION_TESTS) -m "not vllm and not soak" $(PYTEST_ARGS)
 
-# The published benchmark runs in docs/benchmarks/ (~45 min on 2 cores): every strategy on long
+# The published benchmark runs in docs/benchmarks/ (~30 min on 2 cores): every strategy on long
 # coding-agent sessions (cpu-agents, 16-28K tokens), the same with every kvtether turn through
 # prefill (no local prefill: the D->P read on every turn), the crossover grid, and public Claude
 # Code traces replayed. BENCH_ARGS adds flags to the first. How to read them: docs/benchmark.md.
