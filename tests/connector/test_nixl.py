@@ -111,8 +111,9 @@ def test_renew_reaches_worker_and_release_frees_blocks_in_one_step(tmp_path: Pat
     assert meta.reqs_to_send["d-1"] - meta.scheduler_clock == pytest.approx(100 + slack, abs=0.5)
     assert h.worker.deadlines["d-1"] - time.perf_counter() == pytest.approx(100 + slack, abs=0.5)
     handle = published_handle(h, "key-1")
-    assert (handle.kv_transfer_params["remote_blocks_expiry_time"]
-            == meta.reqs_to_send["d-1"] - slack)
+    # the same instant, computed in another order: equal up to float rounding
+    assert handle.kv_transfer_params["remote_blocks_expiry_time"] == pytest.approx(
+        meta.reqs_to_send["d-1"] - slack, abs=1e-6)
 
     free_before = h.free_blocks()
     reply, meta = call_during_step(h, lambda: h.conn.leases.release("key-1"))
